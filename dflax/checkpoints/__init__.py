@@ -1,0 +1,1 @@
+"""Checkpoints: locating model files, reading GGUF and HF directories, tokenizers."""

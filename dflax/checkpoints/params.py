@@ -1,0 +1,94 @@
+"""HF-named tensors -> the Flax parameter tree of `dflax.models.Transformer`, validated.
+
+Parameter paths mirror HF names, so the map is: drop the `model.` prefix and turn `layers.N` into
+`layers_N`. Every tensor is checked against the module's own parameter shapes, so a wrong or
+incomplete checkpoint fails at load time with the offending names, not deep inside a forward.
+"""
+
+from __future__ import annotations
+
+import re
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflax.models.config import ModelConfig
+from dflax.models.transformer import Transformer
+
+# Prefixes under which HF wrappers keep the decoder (CausalLM, multimodal Gemma 3).
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's tensors do not fit the model its config describes."""
+
+
+def _flax_path(name: str) -> tuple[str, ...]:
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    name = re.sub(r"^layers\.(\d+)\.", r"layers_\1.", name)
+    return tuple(name.split("."))
+
+
+def expected_param_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The module's parameter paths and shapes, computed without allocating weights."""
+    model = Transformer(config)
+    from dflax.spec.cache import KVCache  # local: avoid an import cycle at module load
+
+    def init():
+        cache = KVCache.init(config, 1, 1, jnp.float32)
+        return model.init(
+            jax.random.key(0),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1, 1), jnp.int32),
+            cache,
+            jnp.ones((1, 1, 1), bool),
+            method=lambda m, *args: m.logits(m(*args)[0]),  # also creates the read-out's parameters
+        )
+
+    shapes = jax.eval_shape(init)["params"]
+    return {path: leaf.shape for path, leaf in flax.traverse_util.flatten_dict(shapes).items()}
+
+
+def to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype) -> dict:
+    """Builds the parameter tree from HF-named tensors.
+
+    Args:
+      config: the model's architecture.
+      tensors: HF name -> array (e.g. `model.layers.0.self_attn.q_proj.weight`).
+      dtype: parameter dtype.
+
+    Returns:
+      {"params": ...} ready for `Transformer(config, dtype).apply`.
+
+    Raises:
+      CheckpointError: on missing tensors, unexpected tensors or shape mismatches.
+    """
+    expected = expected_param_shapes(config)
+    flat = {}
+    unexpected = []
+    for name, value in tensors.items():
+        path = _flax_path(name)
+        if path == ("lm_head", "weight") and config.tie_word_embeddings:
+            continue  # some exports save the tied head twice
+        if path not in expected:
+            unexpected.append(name)
+            continue
+        if tuple(value.shape) != expected[path]:
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(value.shape)} but the config implies {expected[path]}; "
+                "the checkpoint and its config.json disagree"
+            )
+        flat[path] = jnp.asarray(value, dtype=dtype)
+    missing = sorted(".".join(p) for p in expected if p not in flat)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint does not match a {config.arch} model: missing {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}"
+        )
+    return {"params": flax.traverse_util.unflatten_dict(flat)}

@@ -1,0 +1,200 @@
+"""The `dflax` command line: generate and bench."""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dflax.checkpoints.registry import DEFAULT_TARGET
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console(stderr=True)
+
+_TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"
+_METHODS = ("ar",)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def _check_method(method: str) -> None:
+    if method not in _METHODS:
+        _fail(f"unknown method {method!r}; available: {', '.join(_METHODS)}")
+
+
+def _row_seed(seed: int, rid) -> int:
+    """A prompt's seed from the run seed and its id, so a resumed run samples what a full run would."""
+    return zlib.crc32(f"{seed}:{json.dumps(rid, sort_keys=True)}".encode()) & 0x7FFFFFFF
+
+
+def _load(target: str, dtype: str | None):
+    from dflax.target import load_target
+
+    with console.status(f"loading {target} ..."):
+        t0 = time.perf_counter()
+        loaded = load_target(target, dtype=dtype)
+    console.print(
+        f"loaded {target} ({loaded.config.arch}, {loaded.dtype.__name__}) in {time.perf_counter() - t0:.1f}s"
+    )
+    return loaded
+
+
+@app.command()
+def generate(
+    prompts: list[str] = typer.Argument(None, help="prompts (raw completion unless --chat)"),
+    prompts_file: Path = typer.Option(None, "--prompts", help="JSONL file: {id, prompt} or {id, messages}"),
+    out: Path = typer.Option(
+        None, "--out", help="JSONL results, written as each prompt completes; reruns resume"
+    ),
+    target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
+    method: str = typer.Option("ar", help="decoding method: ar (plain autoregressive)"),
+    chat: bool = typer.Option(False, "--chat", help="wrap argument prompts as a user chat message"),
+    max_new_tokens: int = typer.Option(128, help="new tokens per prompt"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0, help="nucleus mass (1 = off)"),
+    top_k: int = typer.Option(0, help="top-k (0 = off)"),
+    seed: int = typer.Option(0, help="sampling seed"),
+    batch_size: int = typer.Option(8, help="prompts decoded together"),
+    truncate: bool = typer.Option(
+        False, "--truncate", help="keep the last tokens of prompts that do not fit"
+    ),
+    dtype: str = typer.Option(None, help="float32 (CPU default) or bfloat16"),
+) -> None:
+    """Generate completions for prompts given as arguments or in a JSONL file."""
+    from dflax.generation import generate as run_generate
+    from dflax.prompts import PromptRecord, completed_ids, read_prompt_file, result_key, result_line
+
+    _check_method(method)
+    if max_new_tokens < 1:
+        _fail(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
+    if batch_size < 1:
+        _fail(f"--batch-size must be a positive integer, got {batch_size}")
+    if bool(prompts) == bool(prompts_file):
+        _fail("give prompts as arguments or with --prompts FILE.jsonl (exactly one of the two)")
+    bad = []
+    if prompts_file:
+        if not prompts_file.is_file():
+            _fail(f"--prompts {prompts_file}: no such file")
+        records, bad = read_prompt_file(prompts_file)
+        for line in bad:
+            console.print(f"[yellow]skipping {prompts_file}:{line}[/]")
+    else:
+        records = [
+            PromptRecord(i, [{"role": "user", "content": p}] if chat else p) for i, p in enumerate(prompts)
+        ]
+    done = completed_ids(out) if out else set()
+    todo = [r for r in records if result_key(r.id) not in done]
+    if done:
+        console.print(f"{out}: {len(records) - len(todo)} of {len(records)} prompts already done, resuming")
+
+    loaded = _load(target, dtype)
+    sink = None
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        needs_newline = out.exists() and out.stat().st_size > 0 and not out.read_bytes().endswith(b"\n")
+        sink = out.open("a", encoding="utf-8")
+        if needs_newline:  # a torn line from an interrupted run stays alone on its line
+            sink.write("\n")
+    totals = {"new_tokens": 0, "decode_s": 0.0}
+    progress = Progress(
+        TextColumn("generating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not prompts_file,
+    )
+    try:
+        with progress:
+            task = progress.add_task("generate", total=len(todo))
+
+            def on_result(i, result):
+                record = todo[i]
+                if sink:
+                    sink.write(result_line(record.id, result) + "\n")
+                    sink.flush()
+                else:
+                    print(
+                        result.text if len(todo) == 1 else json.dumps({"id": record.id, "text": result.text})
+                    )
+                totals["new_tokens"] += result.stats["new_tokens"]
+                progress.advance(task)
+
+            t0 = time.perf_counter()
+            run_generate(
+                loaded,
+                [r.prompt for r in todo],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                batch_size=batch_size,
+                truncate=truncate,
+                row_seeds=[_row_seed(seed, r.id) for r in todo],
+                on_result=on_result,
+            )
+            elapsed = time.perf_counter() - t0
+    except ValueError as e:
+        _fail(str(e))
+    finally:
+        if sink:
+            sink.close()
+    console.print(
+        f"{len(todo)} prompts, {totals['new_tokens']} new tokens in {elapsed:.1f}s "
+        f"({totals['new_tokens'] / max(elapsed, 1e-9):.1f} tokens/s, compilation included)"
+    )
+    if bad:
+        console.print(
+            f"[bold red]error:[/] {len(bad)} malformed line(s) in {prompts_file} were skipped: "
+            + "; ".join(map(str, bad))
+        )
+        raise typer.Exit(2)
+
+
+@app.command()
+def bench(
+    prompts: str = typer.Option("humaneval", help="humaneval, mtbench or a JSONL prompt file"),
+    target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
+    method: str = typer.Option(
+        "ar", help="comma-separated: ar (dflax plain decoding), hf (transformers, torch)"
+    ),
+    limit: int = typer.Option(40, help="use the first N prompts"),
+    max_new_tokens: int = typer.Option(128, help="new tokens per prompt"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    batch_size: int = typer.Option(1, help="prompts decoded together"),
+    seed: int = typer.Option(0, help="sampling seed"),
+    json_out: Path = typer.Option(None, "--json", help="write the results as JSON"),
+) -> None:
+    """Measure decode tokens/s of methods on one prompt set, back to back in one run."""
+    from dflax.bench import BENCH_METHODS, run_bench
+
+    methods = [m.strip() for m in method.split(",") if m.strip()]
+    for m in methods:
+        if m not in BENCH_METHODS:
+            _fail(f"unknown bench method {m!r}; available: {', '.join(BENCH_METHODS)}")
+    try:
+        report = run_bench(
+            prompts=prompts,
+            target=target,
+            methods=methods,
+            limit=limit,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            batch_size=batch_size,
+            seed=seed,
+            console=console,
+        )
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        _fail(str(e))
+    text = json.dumps(report, indent=2)
+    if json_out:
+        json_out.write_text(text + "\n")
+    print(text)

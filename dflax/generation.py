@@ -1,0 +1,263 @@
+"""Batched generation: prompts in, text + token ids + stats out.
+
+Prompts are bucketed to static shapes (batch, prompt length, cache length), so a shape compiles once and
+is reused for every later batch that falls in the same bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflax.spec.cache import KVCache
+from dflax.spec.decode import decode_loop, prefill
+from dflax.spec.sampling import SamplingParams
+from dflax.target import Target
+
+Prompt = str | list[dict[str, str]]
+_MIN_PROMPT_BUCKET = 16
+
+
+class PromptTooLongError(ValueError):
+    """A prompt plus its new-token budget does not fit the model's context."""
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One prompt's output.
+
+    Attributes:
+      text: the generated text (special tokens removed).
+      tokens: generated token ids (EOS included when it was produced).
+      stats: prompt_tokens, new_tokens, steps (verify steps), tau, accept_hist, finish_reason,
+        prefill_s / decode_s (of the batch the prompt ran in), batch_size.
+    """
+
+    text: str
+    tokens: list[int]
+    stats: dict[str, Any]
+
+
+def encode_prompt(target: Target, prompt: Prompt) -> list[int]:
+    """Token ids of a raw-completion string or a chat message list (via the model's chat template)."""
+    if isinstance(prompt, str):
+        return target.tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    ):
+        return target.tokenizer.encode_chat(prompt)
+    raise TypeError(
+        "a prompt must be a string (raw completion) or a list of {'role': ..., 'content': ...} messages, "
+        f"got {type(prompt).__name__}"
+    )
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def fit_to_context(
+    ids: list[int], max_new_tokens: int, context: int, truncate: bool, label: str
+) -> list[int]:
+    """Checks that a prompt plus its budget fits the context; keeps the last tokens when truncating.
+
+    Raises:
+      PromptTooLongError: when it does not fit and truncate is False, or when it is empty.
+    """
+    if not ids:
+        raise PromptTooLongError(f"prompt {label} is empty after tokenization; give it some text")
+    room = context - max_new_tokens
+    if room < 1:
+        raise PromptTooLongError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the {context}-token context; "
+            "lower max_new_tokens"
+        )
+    if len(ids) <= room:
+        return ids
+    if truncate:
+        return ids[-room:]
+    raise PromptTooLongError(
+        f"prompt {label} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} the context of "
+        f"{context} tokens allows {room}. Shorten the prompt, lower max_new_tokens, or pass truncate=True "
+        f"(CLI: --truncate) to keep the last {room} prompt tokens"
+    )
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled(target: Target) -> tuple[Callable, Callable]:
+    """Jitted prefill and decode loop of a target (jit caches one executable per static shape)."""
+    if target in _COMPILED:
+        return _COMPILED[target]
+    prefill_fn = jax.jit(
+        functools.partial(prefill, target.module),
+        static_argnames=("max_tokens", "max_draft"),
+        donate_argnames=("cache",),
+    )
+    decode_fn = jax.jit(functools.partial(decode_loop, target.module), donate_argnames=("state",))
+    _COMPILED[target] = (prefill_fn, decode_fn)
+    return prefill_fn, decode_fn
+
+
+def generate_ids(
+    target: Target,
+    prompt_ids: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    row_seeds: Sequence[int],
+    batch_size: int,
+    warmup: bool = False,
+) -> list[GenerationResult]:
+    """Generates for one batch of already-encoded prompts (at most batch_size of them).
+
+    Args:
+      target: the loaded target.
+      prompt_ids: token ids of each prompt, each fitting the context with max_new_tokens.
+      max_new_tokens: budget per prompt.
+      sampling: target sampling settings.
+      row_seeds: one PRNG seed per prompt (the prompt's output depends only on its seed).
+      batch_size: static batch size of the compiled step (rows beyond the prompts are padding).
+      warmup: only compile this batch's shapes (every row stops after its first token).
+
+    Returns:
+      One result per prompt, in order.
+    """
+    n = len(prompt_ids)
+    bucket_b = min(batch_size, _next_pow2(n))
+    longest = max(len(ids) for ids in prompt_ids)
+    bucket_p = max(_MIN_PROMPT_BUCKET, _next_pow2(longest))
+    slots = _round_up(bucket_p + max_new_tokens + 1, 64)
+
+    tokens = np.zeros((bucket_b, bucket_p), np.int32)
+    lens = np.ones((bucket_b,), np.int32)
+    budgets = np.zeros((bucket_b,), np.int32)
+    seeds = np.zeros((bucket_b,), np.uint32)
+    for r, ids in enumerate(prompt_ids):
+        tokens[r, : len(ids)] = ids
+        lens[r], budgets[r], seeds[r] = len(ids), 1 if warmup else max_new_tokens, row_seeds[r]
+    row_keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
+    cache = KVCache.init(target.config, bucket_b, slots, target.dtype)
+    eos = jnp.asarray(target.eos_ids, jnp.int32)
+
+    prefill_fn, decode_fn = _compiled(target)
+    t0 = time.perf_counter()
+    state = prefill_fn(
+        target.params,
+        jnp.asarray(tokens),
+        jnp.asarray(lens),
+        cache,
+        jnp.asarray(budgets),
+        row_keys,
+        eos,
+        sampling,
+        max_tokens=max_new_tokens,
+    )
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+    state = decode_fn(target.params, state, sampling)
+    jax.block_until_ready(state)
+    t2 = time.perf_counter()
+
+    out_tokens = np.asarray(state.tokens)
+    num = np.asarray(state.num_generated)
+    steps = np.asarray(state.steps)
+    hist = np.asarray(state.accept_hist)
+    eos_set = set(target.eos_ids)
+    results = []
+    for r in range(n):
+        ids = out_tokens[r, : num[r]].tolist()
+        committed_by_steps = int((hist[r] * np.arange(hist.shape[1])).sum())
+        stats = {
+            "prompt_tokens": int(lens[r]),
+            "new_tokens": len(ids),
+            "steps": int(steps[r]),
+            "tau": committed_by_steps / steps[r] if steps[r] else 1.0,
+            "accept_hist": hist[r].tolist(),
+            "finish_reason": "eos" if ids and ids[-1] in eos_set else "length",
+            "prefill_s": t1 - t0,
+            "decode_s": t2 - t1,
+            "batch_size": n,
+        }
+        results.append(GenerationResult(target.tokenizer.decode(ids), ids, stats))
+    return results
+
+
+def generate(
+    target: Target,
+    prompts: Sequence[Prompt],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 8,
+    truncate: bool = False,
+    row_seeds: Sequence[int] | None = None,
+    on_result: Callable[[int, GenerationResult], None] | None = None,
+) -> list[GenerationResult]:
+    """Generates a completion for every prompt with plain autoregressive decoding.
+
+    Args:
+      target: from `dflax.load_target`.
+      prompts: strings (raw completion) or chat message lists ([{"role": "user", "content": ...}]).
+      max_new_tokens: new-token budget per prompt (> 0).
+      temperature: 0 = greedy; > 0 samples.
+      top_k: keep the k most likely tokens (0 = all).
+      top_p: nucleus mass (1 = all).
+      seed: base seed; prompt i uses seed + i unless row_seeds is given.
+      batch_size: prompts decoded together.
+      truncate: keep the last tokens of a prompt that does not fit the context instead of failing.
+      row_seeds: explicit per-prompt seeds (a prompt's output depends only on its seed).
+      on_result: called with (prompt index, result) as soon as each prompt is done.
+
+    Returns:
+      One GenerationResult per prompt, in order.
+
+    Raises:
+      ValueError: for a non-positive max_new_tokens or batch_size, bad sampling settings, or a prompt that
+        does not fit (PromptTooLongError). All prompts are checked before any is generated.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+    sampling = SamplingParams.make(temperature, top_k, top_p)
+    seeds = list(row_seeds) if row_seeds is not None else [seed + i for i in range(len(prompts))]
+    if len(seeds) != len(prompts):
+        raise ValueError(f"row_seeds has {len(seeds)} entries for {len(prompts)} prompts")
+    context = target.config.max_position_embeddings
+    encoded = [
+        fit_to_context(encode_prompt(target, p), max_new_tokens, context, truncate, f"#{i}")
+        for i, p in enumerate(prompts)
+    ]
+    results: list[GenerationResult] = []
+    for start in range(0, len(encoded), batch_size):
+        chunk = range(start, min(start + batch_size, len(encoded)))
+        batch = generate_ids(
+            target,
+            [encoded[i] for i in chunk],
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            row_seeds=[seeds[i] for i in chunk],
+            batch_size=batch_size,
+        )
+        for i, result in zip(chunk, batch):
+            if on_result is not None:
+                on_result(i, result)
+        results.extend(batch)
+    return results

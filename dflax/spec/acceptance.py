@@ -1,0 +1,169 @@
+"""Acceptance rules for a chain of draft tokens: which drafts the target keeps, and the token after them.
+
+Every drafter verifies through this module, so "lossless" is decided in one place (see
+design/verification.md). The target's distribution always comes from `sampling.target_log_probs`.
+
+- `accept_greedy`: temperature 0; identical to greedy autoregressive decoding.
+- `accept_delta`: drafts chosen deterministically (argmax of parallel marginals, top-k, beam). The draft
+  is a one-hot proposal: sample y_i from the target at every position, accept while draft == y, then emit
+  y at the first mismatch. Exact at every temperature (DFlash's verification rule on a chain).
+- `accept_ratio`: drafts sampled from the drafter's q (speculative sampling; Leviathan et al. 2023,
+  Chen et al. 2023). Exact only when each draft really was drawn from the q passed in.
+
+All rules take the target's logits for the verified block, where position i scores the token that should
+follow the committed prefix and the first i drafts: logits[:, i] scores draft i, logits[:, T] scores the
+bonus token after all T drafts. A tree rule would return the same `Acceptance` plus the accepted path.
+
+Glossary: B batch, T draft length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflax.spec.sampling import NEG_INF, SamplingParams, sample, target_log_probs
+
+
+@struct.dataclass
+class Acceptance:
+    """The outcome of verifying one block of drafts.
+
+    Attributes:
+      num_accepted: [B] int32, how many drafts were accepted (0..T).
+      tokens: [B, T + 1] int32, the committed tokens: the accepted drafts, then the target's own token
+        (correction or bonus) at index num_accepted; entries after it are 0. Each row commits
+        num_accepted + 1 tokens.
+    """
+
+    num_accepted: jax.Array
+    tokens: jax.Array
+
+
+def _commit(draft_tokens: jax.Array, num_accepted: jax.Array, next_tokens: jax.Array) -> Acceptance:
+    """Accepted drafts, then next_tokens[:, num_accepted], then zeros.
+
+    Args:
+      draft_tokens: [B, T] drafts.
+      num_accepted: [B] accepted prefix length.
+      next_tokens: [B, T + 1] the target's token at each position, read only at num_accepted.
+    """
+    padded = jnp.pad(draft_tokens.astype(jnp.int32), ((0, 0), (0, 1)))  # [B, T + 1]
+    position = jnp.arange(padded.shape[1])  # [T + 1]
+    n = num_accepted[:, None]  # [B, 1]
+    tokens = jnp.where(position < n, padded, jnp.where(position == n, next_tokens.astype(jnp.int32), 0))
+    return Acceptance(num_accepted=num_accepted.astype(jnp.int32), tokens=tokens)
+
+
+def _accepted_prefix_length(accept: jax.Array) -> jax.Array:
+    """[B, T] bool per-position acceptance -> [B] int32 length of the all-accepted prefix."""
+    return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+
+
+def _accept_matching(draft_tokens: jax.Array, target_tokens: jax.Array) -> Acceptance:
+    """Accepts drafts while they equal the target's tokens, then commits the target's token.
+
+    Args:
+      draft_tokens: [B, T] drafts.
+      target_tokens: [B, T + 1] the target's token at every position of the block.
+    """
+    num_accepted = _accepted_prefix_length(draft_tokens == target_tokens[:, :-1])
+    return _commit(draft_tokens, num_accepted, target_tokens)
+
+
+def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Acceptance:
+    """Greedy verification: accept drafts while they equal the target's argmax.
+
+    Args:
+      draft_tokens: [B, T] int drafts.
+      target_logits: [B, T + 1, V] target logits for the block (position i scores draft i; T the bonus).
+
+    Returns:
+      The accepted drafts followed by the target's argmax at the first mismatch (or the bonus at T).
+    """
+    return _accept_matching(draft_tokens, jnp.argmax(target_logits, axis=-1))
+
+
+def accept_delta(
+    key: jax.Array, draft_tokens: jax.Array, target_logits: jax.Array, params: SamplingParams
+) -> Acceptance:
+    """The delta rule for deterministically chosen drafts, exact at any temperature, top-k and top-p.
+
+    Samples y_i from the target distribution at every position, accepts while draft_i == y_i and emits y
+    at the first mismatch (or y_T as the bonus). At temperature 0 this is `accept_greedy`.
+
+    Args:
+      key: PRNG key.
+      draft_tokens: [B, T] int drafts, chosen without sampling from a proposal distribution.
+      target_logits: [B, T + 1, V] target logits for the block.
+      params: the target's sampling settings.
+
+    Returns:
+      The accepted drafts followed by the target's sample at the first mismatch.
+    """
+    return _accept_matching(draft_tokens, sample(key, target_logits, params))
+
+
+def accept_ratio(
+    key: jax.Array,
+    draft_tokens: jax.Array,
+    draft_log_probs: jax.Array,
+    target_logits: jax.Array,
+    params: SamplingParams,
+) -> Acceptance:
+    """Speculative sampling for drafts sampled from the drafter's distribution q.
+
+    Accepts draft d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emits a
+    sample of normalise(max(0, p_i - q_i)); if every draft is accepted, emits a bonus sample of p_T.
+    p is the target's distribution under `params`; at temperature 0 it is one-hot and the result equals
+    `accept_greedy`.
+
+    Args:
+      key: PRNG key.
+      draft_tokens: [B, T] int drafts; d_i must have been sampled from q_i given the drafts before it.
+      draft_log_probs: [B, T, V] log q_i, the drafter's distribution that d_i was sampled from.
+      target_logits: [B, T + 1, V] target logits for the block.
+      params: the target's sampling settings.
+
+    Returns:
+      The accepted drafts followed by the residual sample at the first rejection (or the bonus).
+    """
+    key_accept, key_residual = jax.random.split(key)
+    draft_tokens = draft_tokens.astype(jnp.int32)
+    p = jnp.exp(target_log_probs(target_logits, params))  # [B, T + 1, V]
+    q = jnp.exp(draft_log_probs.astype(jnp.float32))  # [B, T, V]
+    p_draft = jnp.take_along_axis(p[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]  # [B, T]
+    q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]  # [B, T]
+    u = jax.random.uniform(key_accept, draft_tokens.shape)  # [B, T], in [0, 1)
+    # u < p / q, written without the division so q == 0 cannot produce NaN.
+    num_accepted = _accepted_prefix_length(u * q_draft < p_draft)
+
+    residual = jnp.maximum(p[:, :-1] - q, 0.0)  # [B, T, V]
+    # An all-zero residual means p == q, where rejection has probability 0; p keeps the draw well defined.
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p[:, :-1])
+    next_probs = jnp.concatenate([residual, p[:, -1:]], axis=1)  # [B, T + 1, V], unnormalised
+    next_logits = jnp.where(next_probs > 0, jnp.log(next_probs), NEG_INF)
+    next_tokens = jax.random.categorical(key_residual, next_logits, axis=-1)  # [B, T + 1]
+    return _commit(draft_tokens, num_accepted, next_tokens)
+
+
+def sample_draft(
+    key: jax.Array, draft_logits: jax.Array, params: SamplingParams
+) -> tuple[jax.Array, jax.Array]:
+    """Samples drafts position by position from a drafter's per-position logits, for `accept_ratio`.
+
+    For a drafter that scores all T positions in one pass (block / parallel drafters): each draft is
+    drawn independently from its position's distribution, which is then the q it was sampled from.
+
+    Args:
+      key: PRNG key.
+      draft_logits: [B, T, V] drafter logits.
+      params: the drafter's own sampling settings (temperature 0 gives argmax drafts with one-hot q).
+
+    Returns:
+      draft_tokens: [B, T] int32 drafts.
+      draft_log_probs: [B, T, V] float32 log q that the drafts were drawn from.
+    """
+    log_q = target_log_probs(draft_logits, params)
+    return jax.random.categorical(key, log_q, axis=-1).astype(jnp.int32), log_q

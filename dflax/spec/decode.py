@@ -1,0 +1,203 @@
+"""Prefill and the jitted decode loop: draft -> verify -> accept -> commit, inside one `lax.while_loop`.
+
+Plain autoregressive decoding is this loop with a drafter that proposes nothing: the verified block is
+just the last committed token, and the acceptance rule commits the one token sampled from the target.
+Speculative methods plug a `propose` function into the same step.
+
+Randomness is per row: row r at output index i uses fold_in(row_key[r], i), so a prompt's output does
+not depend on which other prompts share its batch.
+
+Glossary: B batch, P prompt bucket, S cache slots, M max new tokens (+ block headroom), n draft length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflax.models.transformer import Transformer
+from dflax.spec.acceptance import accept_delta
+from dflax.spec.cache import KVCache, write_rows
+from dflax.spec.sampling import SamplingParams, sample
+
+# propose(state) -> [B, n] int32 draft tokens for the next block (n static).
+ProposeFn = Callable[["DecodeState"], jax.Array]
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries, as one pytree.
+
+    Attributes:
+      cache: target KV cache; `lengths` counts committed tokens whose K/V are in the cache.
+      last_token: [B] the newest committed token (its K/V are not in the cache yet).
+      tokens: [B, M] generated tokens; entries at or beyond `num_generated` are unspecified.
+      num_generated: [B] int32 tokens generated so far (EOS included).
+      max_new: [B] int32 per-row budget of new tokens.
+      done: [B] bool, row finished (EOS or budget).
+      row_keys: [B] PRNG keys, one per row.
+      eos_ids: [E] int32 token ids that end a row.
+      steps: [B] int32 verify steps taken while the row was active.
+      accept_hist: [B, n + 2] int32, histogram of tokens committed per step (index = count).
+    """
+
+    cache: KVCache
+    last_token: jax.Array
+    tokens: jax.Array
+    num_generated: jax.Array
+    max_new: jax.Array
+    done: jax.Array
+    row_keys: jax.Array
+    eos_ids: jax.Array
+    steps: jax.Array
+    accept_hist: jax.Array
+
+
+def _is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def _row_keys_at(row_keys: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.fold_in)(row_keys, index)
+
+
+def prefill(
+    model: Transformer,
+    params: dict,
+    prompt_tokens: jax.Array,
+    prompt_lens: jax.Array,
+    cache: KVCache,
+    max_new: jax.Array,
+    row_keys: jax.Array,
+    eos_ids: jax.Array,
+    sampling: SamplingParams,
+    *,
+    max_tokens: int,
+    max_draft: int = 0,
+) -> DecodeState:
+    """Runs the prompts through the target and samples each row's first token.
+
+    Args:
+      model: the target module.
+      params: its parameters.
+      prompt_tokens: [B, P] int32, right-padded prompts.
+      prompt_lens: [B] int32 true prompt lengths (>= 1).
+      cache: an empty cache with S >= P + max_tokens + max_draft + 1 slots.
+      max_new: [B] int32 new-token budget per row (0 for padding rows).
+      row_keys: [B] PRNG keys.
+      eos_ids: [E] int32.
+      sampling: target sampling settings.
+      max_tokens: static size M of the output buffer (>= max(max_new)).
+      max_draft: static draft length n of the step that will follow (sizes the histogram and headroom).
+
+    Returns:
+      The initial decode state.
+    """
+    b, p = prompt_tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
+    mask = causal[None] & (jnp.arange(p)[None, None, :] < prompt_lens[:, None, None])  # [B, P, P]
+    hidden, cache, _ = model.apply(params, prompt_tokens, positions, cache, mask)
+    last_hidden = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    logits = model.apply(params, last_hidden, method=Transformer.logits)  # [B, V]
+    keys = _row_keys_at(row_keys, jnp.zeros((b,), jnp.int32))
+    first = jax.vmap(lambda k, lg: sample(k, lg, sampling))(keys, logits)  # [B]
+    tokens = jnp.zeros((b, max_tokens + max_draft + 1), jnp.int32).at[:, 0].set(first)
+    return DecodeState(
+        cache=cache.replace(lengths=prompt_lens.astype(jnp.int32)),
+        last_token=first,
+        tokens=tokens,
+        num_generated=jnp.ones((b,), jnp.int32),
+        max_new=max_new,
+        done=_is_eos(first, eos_ids) | (max_new <= 1),
+        row_keys=row_keys,
+        eos_ids=eos_ids,
+        steps=jnp.zeros((b,), jnp.int32),
+        accept_hist=jnp.zeros((b, max_draft + 2), jnp.int32),
+    )
+
+
+def decode_step(
+    model: Transformer,
+    params: dict,
+    state: DecodeState,
+    sampling: SamplingParams,
+    propose: ProposeFn | None = None,
+) -> DecodeState:
+    """One draft -> verify -> accept -> commit step for every row.
+
+    Args:
+      model: the target module.
+      params: its parameters.
+      state: the loop state.
+      sampling: target sampling settings.
+      propose: drafter hook returning [B, n] draft tokens; None for plain decoding (n = 0).
+
+    Returns:
+      The state after committing between 1 and n + 1 tokens per active row.
+    """
+    cache = state.cache
+    b = state.last_token.shape[0]
+    drafts = jnp.zeros((b, 0), jnp.int32) if propose is None else propose(state)  # [B, n]
+    n = drafts.shape[1]
+    block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, n + 1]
+    positions = cache.lengths[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((n + 1, n + 1), jnp.bool_)), (b, n + 1, n + 1))
+    hidden, cache, _ = model.apply(params, block, positions, cache, causal)
+    logits = model.apply(params, hidden, method=Transformer.logits)  # [B, n + 1, V]
+
+    keys = _row_keys_at(state.row_keys, state.num_generated)
+    acc = jax.vmap(lambda k, d, lg: accept_delta(k, d[None], lg[None], sampling))(keys, drafts, logits)
+    committed = acc.tokens[:, 0]  # [B, n + 1]; valid up to num_accepted + 1
+    count = acc.num_accepted[:, 0] + 1  # [B]
+
+    # Stop at the first EOS among the committed tokens and at the row's budget.
+    idx = jnp.arange(n + 1)
+    eos_at = jnp.where(_is_eos(committed, state.eos_ids) & (idx < count[:, None]), idx, n + 1).min(axis=1)
+    budget = state.max_new - state.num_generated
+    emitted = jnp.minimum(jnp.minimum(count, eos_at + 1), budget)
+    active = ~state.done
+    emitted = jnp.where(active, emitted, 0)
+    finished = active & ((eos_at < count) | (emitted >= budget))
+
+    last = jnp.take_along_axis(committed, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    return state.replace(
+        cache=cache.replace(lengths=cache.lengths + jnp.where(active, count, 0)),
+        last_token=jnp.where(active, last, state.last_token),
+        tokens=jnp.where(
+            active[:, None], write_rows(state.tokens, committed, state.num_generated), state.tokens
+        ),
+        num_generated=state.num_generated + emitted,
+        done=state.done | finished,
+        steps=state.steps + active,
+        accept_hist=state.accept_hist + jax.nn.one_hot(count, n + 2, dtype=jnp.int32) * active[:, None],
+    )
+
+
+def decode_loop(
+    model: Transformer,
+    params: dict,
+    state: DecodeState,
+    sampling: SamplingParams,
+    propose: ProposeFn | None = None,
+) -> DecodeState:
+    """Runs `decode_step` until every row is done, without returning to Python.
+
+    Args:
+      model: the target module.
+      params: its parameters.
+      state: from `prefill`.
+      sampling: target sampling settings.
+      propose: drafter hook (None = plain decoding).
+
+    Returns:
+      The final state; row r's output is tokens[r, :num_generated[r]].
+    """
+    return jax.lax.while_loop(
+        lambda s: jnp.any(~s.done),
+        lambda s: decode_step(model, params, s, sampling, propose),
+        state,
+    )

@@ -1,0 +1,107 @@
+"""Sampling settings and the target distribution they define.
+
+Every acceptance rule and the plain decoding loop read the TARGET's distribution through
+`target_log_probs`, so temperature, top-k and top-p mean the same thing everywhere.
+Temperature 0 is greedy: the distribution is a one-hot on the argmax (first index on exact ties).
+
+Glossary: B batch, T positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NEG_INF = -1e30
+
+
+@struct.dataclass
+class SamplingParams:
+    """Sampling settings as traced scalars, so changing them never recompiles.
+
+    Attributes:
+      temperature: 0 means greedy decoding; > 0 scales the logits by 1 / temperature.
+      top_k: keep the k most likely tokens; 0 keeps all.
+      top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1 keeps all.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def make(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
+        """Builds validated sampling settings.
+
+        Raises:
+          ValueError: on a negative temperature, a negative top_k or top_p outside (0, 1].
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = no top-k filter), got {top_k}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {top_p}")
+        return cls(
+            temperature=jnp.asarray(temperature, jnp.float32),
+            top_k=jnp.asarray(top_k, jnp.int32),
+            top_p=jnp.asarray(top_p, jnp.float32),
+        )
+
+
+def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Sets logits outside the top-k / nucleus sets to NEG_INF. scaled: [..., V] float32."""
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k - 1, scaled.shape[:-1])[..., None], axis=-1)
+    probs_sorted = jax.nn.softmax(jnp.where(jnp.arange(vocab) < k, sorted_desc, NEG_INF), axis=-1)
+    # Mass strictly before each sorted token: a token is kept while that mass is below top_p, so the
+    # most likely token is always kept and the kept set is the smallest one reaching top_p.
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    keep_sorted = (mass_before < top_p) & (jnp.arange(vocab) < k)
+    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1, keepdims=True), 1)
+    threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+    threshold = jnp.maximum(threshold, kth)
+    return jnp.where(scaled >= threshold, scaled, NEG_INF)
+
+
+def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """The target distribution defined by the sampling settings, as log-probabilities.
+
+    Args:
+      logits: [..., V] raw logits of the target.
+      params: sampling settings.
+
+    Returns:
+      [..., V] float32 log-probabilities; tokens outside the kept set have about -1e30.
+      At temperature 0 this is a one-hot on the argmax.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.where(
+        jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.bool_), 0.0, NEG_INF
+    )
+    scaled = logits / jnp.maximum(params.temperature, 1e-6)
+    needs_filter = (params.top_k > 0) | (params.top_p < 1.0)
+    scaled = jax.lax.cond(
+        needs_filter, lambda s: _filter_top_k_top_p(s, params.top_k, params.top_p), lambda s: s, scaled
+    )
+    sampled = jax.nn.log_softmax(scaled, axis=-1)
+    return jnp.where(params.temperature > 0, sampled, greedy)
+
+
+def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Draws one token per position from the target distribution.
+
+    Args:
+      key: PRNG key.
+      logits: [..., V] raw logits.
+      params: sampling settings (temperature 0 = argmax).
+
+    Returns:
+      [...] int32 token ids.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = jax.random.categorical(key, target_log_probs(logits, params), axis=-1).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy)

@@ -1,0 +1,88 @@
+"""A loaded target: config, parameters, tokenizer and the module that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from dflax.checkpoints.gguf_file import read_gguf
+from dflax.checkpoints.hf_dir import read_hf_dir
+from dflax.checkpoints.params import to_params
+from dflax.checkpoints.registry import resolve
+from dflax.checkpoints.tokenizer import Tokenizer
+from dflax.models.config import ModelConfig
+from dflax.models.transformer import Transformer
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Target:
+    """A target model ready to generate.
+
+    Attributes:
+      name: what it was loaded from (a built-in name or a path).
+      config: its architecture.
+      params: {"params": ...} parameter tree.
+      tokenizer: its tokenizer and chat template.
+      module: the Flax module that runs it.
+    """
+
+    name: str
+    config: ModelConfig
+    params: dict
+    tokenizer: Tokenizer
+    module: Transformer
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every token id that ends generation (tokenizer and config agree or are merged)."""
+        return tuple(sorted(set(self.tokenizer.eos_ids) | set(self.config.eos_token_ids)))
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """Parameter and activation dtype."""
+        return self.module.dtype
+
+
+def default_dtype() -> str:
+    """float32 on CPU; bfloat16 on TPU/GPU."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_target(
+    name_or_path: str | Path, dtype: str | None = None, attention_backend: str = "auto"
+) -> Target:
+    """Loads a target model and its tokenizer, offline.
+
+    Args:
+      name_or_path: "smollm2-135m", "gemma3-270m", a .gguf file or an HF checkpoint directory
+        (config.json + *.safetensors + tokenizer.json) of a supported architecture.
+      dtype: "float32", "bfloat16" or "float16"; None picks float32 on CPU and bfloat16 on TPU/GPU.
+      attention_backend: "auto", "reference", "pallas" or "pallas_interpret".
+
+    Returns:
+      The loaded Target.
+
+    Raises:
+      UnknownModelError: for a name that is not built in and not a local checkpoint.
+      UnsupportedArchitectureError: for a checkpoint of an architecture dflax cannot run.
+      CheckpointError: for tensors that do not fit the config.
+    """
+    dtype = dtype or default_dtype()
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} unknown; choose one of {', '.join(_DTYPES)}")
+    kind, path = resolve(name_or_path)
+    if kind == "gguf":
+        config, tensors = read_gguf(path)
+        tokenizer = Tokenizer.from_gguf(path)
+    else:
+        config, tensors = read_hf_dir(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    jdtype = _DTYPES[dtype]
+    params = to_params(config, tensors, jdtype)
+    module = Transformer(config, dtype=jdtype, attention_backend=attention_backend)
+    return Target(str(name_or_path), config, params, tokenizer, module)
