@@ -36,11 +36,21 @@ def _row_seed(seed: int, rid) -> int:
 
 
 def _load(target: str, dtype: str | None):
+    import jax
+
+    from dflax.checkpoints.model_files import cache_dir
     from dflax.target import load_target
+
+    # Compiled decode steps persist across runs: a shape compiles once per machine, not once per command.
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
     with console.status(f"loading {target} ..."):
         t0 = time.perf_counter()
-        loaded = load_target(target, dtype=dtype)
+        try:
+            loaded = load_target(target, dtype=dtype)
+        except (ValueError, FileNotFoundError) as e:
+            _fail(str(e))
     console.print(
         f"loaded {target} ({loaded.config.arch}, {loaded.dtype.__name__}) in {time.perf_counter() - t0:.1f}s"
     )

@@ -106,3 +106,18 @@ def save_tiny_checkpoint(name: str, path: Path, seed: int = 0):
     model.save_pretrained(path, safe_serialization=True)
     save_word_tokenizer(path)
     return model
+
+
+def full_sequence_logits(target, ids: list[int]):
+    """dflax's float32 logits [T, V] for a whole sequence: one causal forward over an empty cache."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflax.models.transformer import Transformer
+    from dflax.spec.cache import KVCache
+
+    t = len(ids)
+    cache = KVCache.init(target.config, 1, t, jnp.float32)
+    mask = jnp.tril(jnp.ones((1, t, t), bool))
+    hidden, _, _ = target.module.apply(target.params, jnp.asarray([ids]), jnp.arange(t)[None], cache, mask)
+    return np.asarray(target.module.apply(target.params, hidden, method=Transformer.logits))[0]

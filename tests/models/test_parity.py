@@ -10,27 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_checkpoints import TINY_ARCHS
+from tiny_checkpoints import TINY_ARCHS, full_sequence_logits
 
 import dflax
 from dflax.generation import generate_ids
 from dflax.spec.sampling import SamplingParams
 
 LOGIT_ATOL = 1e-4
-
-
-def dflax_logits(target, ids: list[int]) -> np.ndarray:
-    """Full-sequence logits [T, V] from one causal forward over an empty cache."""
-    import jax.numpy as jnp
-
-    from dflax.models.transformer import Transformer
-    from dflax.spec.cache import KVCache
-
-    t = len(ids)
-    cache = KVCache.init(target.config, 1, t, jnp.float32)
-    mask = jnp.tril(jnp.ones((1, t, t), bool))
-    hidden, _, _ = target.module.apply(target.params, jnp.asarray([ids]), jnp.arange(t)[None], cache, mask)
-    return np.asarray(target.module.apply(target.params, hidden, method=Transformer.logits))[0]
 
 
 def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
@@ -61,7 +47,7 @@ def test_tiny_logits_and_greedy_match_transformers(arch, tiny_checkpoint):
     ids = rng.integers(3, 256, size=24).tolist()  # longer than Gemma's sliding window of 8
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(dflax_logits(target, ids), expected, atol=LOGIT_ATOL, rtol=0)
+    np.testing.assert_allclose(full_sequence_logits(target, ids), expected, atol=LOGIT_ATOL, rtol=0)
 
     prompt = ids[:7]
     assert dflax_greedy(target, [prompt], 32, 1)[0] == hf_greedy(hf_model, prompt, 32)
@@ -95,7 +81,7 @@ def test_smollm2_gguf_matches_transformers(smollm2):
     for ids in prompts:
         with torch.no_grad():
             expected = hf_model(torch.tensor([ids])).logits[0].numpy()
-        got = dflax_logits(smollm2, ids)
+        got = full_sequence_logits(smollm2, ids)
         # Logits reach ~35 in magnitude; fp32 summation order differs between XLA and PyTorch.
         np.testing.assert_allclose(got, expected, atol=5e-4, rtol=1e-5)
     for ids, got in zip(prompts, dflax_greedy(smollm2, prompts, 32, batch_size=2)):

@@ -1,0 +1,132 @@
+"""`dflax generate` end to end on a tiny checkpoint: JSONL in/out, chat and raw prompts, resume, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dflax.cli import app
+
+runner = CliRunner()
+
+PROMPTS = [
+    {"id": "a", "prompt": "w5 w6 w7"},
+    {"id": "b", "prompt": "w9 w10 w11 w12 w13 w14 w15 w16 w17"},
+    {"id": 3, "messages": [{"role": "user", "content": "w20 w21"}]},
+    {"id": "d", "prompt": "w30"},
+    {"id": "e", "messages": [{"role": "system", "content": "w40"}, {"role": "user", "content": "w41 w42"}]},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_results(path):
+    return {json.dumps(r["id"]): r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def run(target, *args):
+    return runner.invoke(app, ["generate", "--target", str(target), "--max-new-tokens", "6", *args])
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_checkpoint):
+    return tiny_checkpoint("llama")[0]
+
+
+def test_jsonl_raw_and_chat_then_resume(tmp_path, target_dir):
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    write_jsonl(prompts, PROMPTS)
+    result = run(target_dir, "--prompts", str(prompts), "--out", str(out), "--batch-size", "2")
+    assert result.exit_code == 0, result.output
+    full = read_results(out)
+    assert set(full) == {json.dumps(p["id"]) for p in PROMPTS}
+    for r in full.values():
+        assert 1 <= len(r["tokens"]) <= 6 and r["stats"]["new_tokens"] == len(r["tokens"])
+
+    # An interrupted run: two lines done, the third torn mid-write.
+    lines = out.read_text().splitlines()
+    out.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:15])
+    result = run(target_dir, "--prompts", str(prompts), "--out", str(out), "--batch-size", "2")
+    assert result.exit_code == 0, result.output
+    assert "2 of 5 prompts already done" in " ".join(result.output.split())
+    good = [json.loads(x) for x in out.read_text().splitlines() if x.startswith("{") and x.endswith("}")]
+    resumed = {json.dumps(r["id"]): (r["text"], r["tokens"]) for r in good}
+    assert resumed == {k: (r["text"], r["tokens"]) for k, r in full.items()}
+
+
+def test_batch_output_equals_per_prompt_output(tmp_path, target_dir):
+    prompts = tmp_path / "p.jsonl"
+    write_jsonl(prompts, PROMPTS)
+    outputs = {}
+    for temperature in ("0", "1.0"):
+        for batch in ("1", "4"):
+            out = tmp_path / f"o{temperature}-{batch}.jsonl"
+            result = run(
+                target_dir,
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--batch-size",
+                batch,
+                "--temperature",
+                temperature,
+                "--seed",
+                "7",
+            )
+            assert result.exit_code == 0, result.output
+            outputs[temperature, batch] = {k: v["tokens"] for k, v in read_results(out).items()}
+        assert outputs[temperature, "1"] == outputs[temperature, "4"]
+    assert outputs["0", "1"] != outputs["1.0", "1"]
+
+
+def test_malformed_lines_are_named_and_others_kept(tmp_path, target_dir):
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text(
+        json.dumps(PROMPTS[0])
+        + "\n"
+        + '{"id": "x", "prompt": "w5"\n'  # line 2: broken JSON
+        + json.dumps(PROMPTS[1])
+        + "\n"
+        + json.dumps({"id": "y", "text": "w5"})
+        + "\n"  # line 4: no prompt/messages
+    )
+    result = run(target_dir, "--prompts", str(prompts), "--out", str(out))
+    assert result.exit_code == 2
+    assert "line 2" in result.output and "line 4" in result.output
+    assert set(read_results(out)) == {'"a"', '"b"'}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-new-tokens", "0", "w5"], "--max-new-tokens must be a positive integer"),
+        (["--batch-size", "0", "w5"], "--batch-size must be a positive integer"),
+        (["--method", "beam", "w5"], "unknown method 'beam'"),
+        ([], "give prompts as arguments or with --prompts"),
+    ],
+)
+def test_bad_arguments(args, message, target_dir):
+    result = runner.invoke(app, ["generate", "--target", str(target_dir), *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_unknown_target_lists_builtin_names():
+    result = runner.invoke(app, ["generate", "--target", "llama-70b", "hello"])
+    assert result.exit_code == 2
+    output = " ".join(result.output.split())
+    assert "unknown model 'llama-70b'" in output and "smollm2-135m" in output and "gemma3-270m" in output
+
+
+def test_prompt_too_long_then_truncate(target_dir):
+    long_prompt = " ".join(f"w{3 + i % 250}" for i in range(600))  # tiny context is 512 tokens
+    result = run(target_dir, long_prompt)
+    assert result.exit_code == 2
+    assert "has 600 tokens" in " ".join(result.output.split())
+    result = run(target_dir, "--truncate", long_prompt)
+    assert result.exit_code == 0, result.output
