@@ -1,0 +1,108 @@
+"""`tree_attention`: the public entry point, dispatching to the jnp reference or a Pallas kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels.tree_attention import gpu, tpu
+from pallas_kernels.tree_attention.reference import check_inputs, tree_attention_reference
+
+BACKENDS = ("auto", "reference", "tpu", "gpu")
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' -> 'tpu' / 'gpu' by `jax.default_backend()`, else 'reference'; other names pass through."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} unknown; choose one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    return platform if platform in ("tpu", "gpu") else "reference"
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "logit_soft_cap",
+        "backend",
+        "interpret",
+        "block_sizes",
+    ),
+)
+def tree_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_len: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    tree_mask: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    q_positions: jax.Array | None = None,
+    backend: str = "auto",
+    interpret=False,
+    block_sizes: tpu.BlockSizes | gpu.BlockSizes | None = None,
+) -> jax.Array:
+    """Attention of n new tokens to a cached prefix and to each other under a tree mask.
+
+    The verification step of speculative decoding: every node of a draft tree (or chain) attends to the
+    committed prefix, cache slots [0, cache_len), and to its ancestors among the new tokens. The kernels
+    pack all n nodes x all query heads of one KV head into one query tile, so each prefix KV tile is read
+    once per KV head (shared-prefix attention: FlashForge, Hydragen, DeFT, FlashInfer cascade), and merge
+    the prefix and tree parts by log-sum-exp. The same call serves decode (n = 1, mask all True), chains
+    (causal mask) and prefill (cache_len = 0, causal mask over the prompt).
+
+    Args:
+      q: [B, T, N, H] queries.
+      k_cache: [B, S, K, H] cached keys; slot j has absolute position j; slots >= cache_len are never read.
+      v_cache: [B, S, K, H] cached values.
+      cache_len: [B] int valid prefix length per row.
+      k_new: [B, T, K, H] keys of the new tokens.
+      v_new: [B, T, K, H] values of the new tokens.
+      tree_mask: [B, T, T] bool; tree_mask[b, i, j] = query i may see new token j.
+      sm_scale: logit scale; default H ** -0.5.
+      sliding_window: python int w; a key at position kp is visible to a query at qp only if qp - kp < w.
+      logit_soft_cap: c; logits -> c * tanh(logits / c) after scaling.
+      q_positions: [B, T] int positions of the new tokens; default cache_len[:, None] + arange(T).
+      backend: "reference" (jnp, any platform), "tpu" (Pallas Mosaic), "gpu" (Pallas Triton), or "auto"
+        (by `jax.default_backend()`: tpu, gpu, else reference).
+      interpret: run the Pallas kernel in interpret mode (CPU). For "tpu", True means
+        `pltpu.InterpretParams()`; an explicit InterpretParams is also accepted. Ignored by the reference.
+      block_sizes: `tpu.BlockSizes` / `gpu.BlockSizes` for the matching backend; None = defaults.
+
+    Returns:
+      [B, T, N, H] attention output in q's dtype (fp32 accumulation); rows that see no key are zero.
+    """
+    check_inputs(
+        q,
+        k_cache,
+        v_cache,
+        cache_len,
+        k_new,
+        v_new,
+        tree_mask,
+        q_positions=q_positions,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+    )
+    resolved = resolve_backend(backend)
+    args = (q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask)
+    options = dict(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+        q_positions=q_positions,
+    )
+    if resolved == "reference":
+        return tree_attention_reference(*args, **options)
+    if resolved == "tpu":
+        return tpu.tree_attention_tpu(*args, **options, block_sizes=block_sizes, interpret=interpret)
+    return gpu.tree_attention_gpu(*args, **options, block_sizes=block_sizes, interpret=bool(interpret))
