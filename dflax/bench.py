@@ -7,8 +7,12 @@ prefill time is reported separately.
 
 from __future__ import annotations
 
+import json
 import statistics
-import time
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,85 +68,48 @@ def _run_dflax(target: Target, prompt_ids, max_new_tokens, temperature, batch_si
     return tokens, per_batch
 
 
-class _FirstTokenClock:
-    """An HF streamer that notes when the first generated token appears (the end of prefill)."""
-
-    def __init__(self):
-        self.calls = 0
-        self.first_token_at = None
-
-    def put(self, value):
-        self.calls += 1
-        if self.calls == 2:  # call 1 is the prompt, call 2 the first sampled token
-            self.first_token_at = time.perf_counter()
-
-    def end(self):
-        pass
-
-
 def _run_hf(target: Target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress):
-    """HF transformers (PyTorch, CPU) generate on the same weights: the peer baseline."""
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:
-        raise ImportError(
-            "--method hf needs PyTorch: pip install torch==2.13.0 (CPU wheel) accelerate"
-        ) from e
+    """HF transformers (PyTorch, CPU) generate on the same weights, in a child process (see hf_baseline)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise ImportError("--method hf needs PyTorch: pip install torch==2.13.0 accelerate (CPU wheel)")
     from dflax.checkpoints.registry import resolve
 
     kind, path = resolve(target.name)
-    if kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    eos = list(target.eos_ids)
-    pad = target.tokenizer.pad_id if target.tokenizer.pad_id is not None else eos[0]
-
-    def run(idx, budget):
-        rows = [prompt_ids[i] for i in idx]
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # left padding
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        clock = _FirstTokenClock()
-        torch.manual_seed(seed + idx[0])
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=budget,
-                do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                top_p=None,
-                top_k=None,
-                eos_token_id=eos,
-                pad_token_id=pad,
-                streamer=clock,
-            )
-        t1 = time.perf_counter()
-        new = []
-        for row in out[:, width:].tolist():
-            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-            new.append(row[:cut])
-        first = clock.first_token_at or t1
-        return new, first - t0, t1 - first
-
     batches = _batches(list(range(len(prompt_ids))), batch_size)
-    run(batches[0], 2)  # warm-up
+    eos = list(target.eos_ids)
+    request = {
+        "kind": kind,
+        "path": str(path),
+        "batches": [[prompt_ids[i] for i in idx] for idx in batches],
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "eos_ids": eos,
+        "pad_id": target.tokenizer.pad_id if target.tokenizer.pad_id is not None else eos[0],
+        "seed": seed,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request))
+        subprocess.run(
+            [sys.executable, "-m", "dflax.hf_baseline", str(req), str(res)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        outputs = json.loads(res.read_text())
     tokens, per_batch = [None] * len(prompt_ids), []
-    for idx in batches:
-        new, prefill_s, decode_s = run(idx, max_new_tokens)
-        for i, t in zip(idx, new):
+    for idx, out in zip(batches, outputs):
+        for i, t in zip(idx, out["tokens"]):
             tokens[i] = t
-        steps = max(len(t) for t in new) - 1
+        steps = max(len(t) for t in out["tokens"]) - 1
         per_batch.append(
             {
                 "rows": len(idx),
-                "prefill_s": prefill_s,
-                "decode_s": decode_s,
-                "decode_tokens": sum(len(t) - 1 for t in new),
+                "prefill_s": out["prefill_s"],
+                "decode_s": out["decode_s"],
+                "decode_tokens": sum(len(t) - 1 for t in out["tokens"]),
                 "steps": steps * len(idx),
                 "committed": steps * len(idx),
             }

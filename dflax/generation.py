@@ -11,16 +11,19 @@ import functools
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dflax.spec.cache import KVCache
-from dflax.spec.decode import decode_loop, prefill
+from dflax.spec.decode import Proposer, decode_loop, prefill
 from dflax.spec.sampling import SamplingParams
 from dflax.target import Target
+
+if TYPE_CHECKING:
+    from dflax.drafters import Drafter
 
 Prompt = str | list[dict[str, str]]
 _MIN_PROMPT_BUCKET = 16
@@ -98,18 +101,20 @@ def fit_to_context(
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _compiled(target: Target) -> tuple[Callable, Callable]:
-    """Jitted prefill and decode loop of a target (jit caches one executable per static shape)."""
-    if target in _COMPILED:
-        return _COMPILED[target]
-    prefill_fn = jax.jit(
-        functools.partial(prefill, target.module),
-        static_argnames=("max_tokens", "max_draft"),
-        donate_argnames=("cache",),
-    )
-    decode_fn = jax.jit(functools.partial(decode_loop, target.module), donate_argnames=("state",))
-    _COMPILED[target] = (prefill_fn, decode_fn)
-    return prefill_fn, decode_fn
+def _compiled(target: Target, proposer: Proposer | None) -> tuple[Callable, Callable]:
+    """Jitted prefill and decode loop of a target and drafter (jit keeps one executable per shape)."""
+    per_target = _COMPILED.setdefault(target, {})
+    if proposer not in per_target:
+        prefill_fn = jax.jit(
+            functools.partial(prefill, target.module, proposer=proposer),
+            static_argnames=("max_tokens",),
+            donate_argnames=("cache",),
+        )
+        decode_fn = jax.jit(
+            functools.partial(decode_loop, target.module, proposer=proposer), donate_argnames=("state",)
+        )
+        per_target[proposer] = (prefill_fn, decode_fn)
+    return per_target[proposer]
 
 
 def generate_ids(
@@ -120,6 +125,7 @@ def generate_ids(
     sampling: SamplingParams,
     row_seeds: Sequence[int],
     batch_size: int,
+    drafter: Drafter | None = None,
     warmup: bool = False,
 ) -> list[GenerationResult]:
     """Generates for one batch of already-encoded prompts (at most batch_size of them).
@@ -131,6 +137,7 @@ def generate_ids(
       sampling: target sampling settings.
       row_seeds: one PRNG seed per prompt (the prompt's output depends only on its seed).
       batch_size: static batch size of the compiled step (rows beyond the prompts are padding).
+      drafter: a speculative drafter (None = plain autoregressive decoding).
       warmup: only compile this batch's shapes (every row stops after its first token).
 
     Returns:
@@ -140,7 +147,10 @@ def generate_ids(
     bucket_b = min(batch_size, _next_pow2(n))
     longest = max(len(ids) for ids in prompt_ids)
     bucket_p = max(_MIN_PROMPT_BUCKET, _next_pow2(longest))
-    slots = _round_up(bucket_p + max_new_tokens + 1, 64)
+    proposer = drafter.proposer if drafter else None
+    drafter_params = drafter.params if drafter else None
+    # Headroom: a verify step writes n + 1 slots past the committed length.
+    slots = _round_up(bucket_p + max_new_tokens + (proposer.num_draft if proposer else 0) + 1, 64)
 
     tokens = np.zeros((bucket_b, bucket_p), np.int32)
     lens = np.ones((bucket_b,), np.int32)
@@ -153,7 +163,7 @@ def generate_ids(
     cache = KVCache.init(target.config, bucket_b, slots, target.dtype)
     eos = jnp.asarray(target.eos_ids, jnp.int32)
 
-    prefill_fn, decode_fn = _compiled(target)
+    prefill_fn, decode_fn = _compiled(target, proposer)
     t0 = time.perf_counter()
     state = prefill_fn(
         target.params,
@@ -164,11 +174,12 @@ def generate_ids(
         row_keys,
         eos,
         sampling,
+        drafter_params,
         max_tokens=max_new_tokens,
     )
     jax.block_until_ready(state)
     t1 = time.perf_counter()
-    state = decode_fn(target.params, state, sampling)
+    state = decode_fn(target.params, state, sampling, drafter_params)
     jax.block_until_ready(state)
     t2 = time.perf_counter()
 
@@ -209,8 +220,9 @@ def generate(
     truncate: bool = False,
     row_seeds: Sequence[int] | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
+    drafter: Drafter | None = None,
 ) -> list[GenerationResult]:
-    """Generates a completion for every prompt with plain autoregressive decoding.
+    """Generates a completion for every prompt, plainly or speculatively (lossless either way).
 
     Args:
       target: from `dflax.load_target`.
@@ -224,6 +236,7 @@ def generate(
       truncate: keep the last tokens of a prompt that does not fit the context instead of failing.
       row_seeds: explicit per-prompt seeds (a prompt's output depends only on its seed).
       on_result: called with (prompt index, result) as soon as each prompt is done.
+      drafter: from `dflax.load_drafter`; None decodes one token per target forward.
 
     Returns:
       One GenerationResult per prompt, in order.
@@ -255,6 +268,7 @@ def generate(
             sampling=sampling,
             row_seeds=[seeds[i] for i in chunk],
             batch_size=batch_size,
+            drafter=drafter,
         )
         for i, result in zip(chunk, batch):
             if on_result is not None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
+from dflax.spec.cache import KVCache
 
 # Prefixes under which HF wrappers keep the decoder (CausalLM, multimodal Gemma 3).
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -34,10 +35,14 @@ def _flax_path(name: str) -> tuple[str, ...]:
     return tuple(name.split("."))
 
 
+def param_shapes(params: dict) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Flattened parameter paths -> shapes of a {"params": ...} tree (arrays or ShapeDtypeStructs)."""
+    return {path: leaf.shape for path, leaf in flax.traverse_util.flatten_dict(params["params"]).items()}
+
+
 def expected_param_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     """The module's parameter paths and shapes, computed without allocating weights."""
     model = Transformer(config)
-    from dflax.spec.cache import KVCache  # local: avoid an import cycle at module load
 
     def init():
         cache = KVCache.init(config, 1, 1, jnp.float32)
@@ -50,31 +55,37 @@ def expected_param_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[in
             method=lambda m, *args: m.logits(m(*args)[0]),  # also creates the read-out's parameters
         )
 
-    shapes = jax.eval_shape(init)["params"]
-    return {path: leaf.shape for path, leaf in flax.traverse_util.flatten_dict(shapes).items()}
+    return param_shapes(jax.eval_shape(init))
 
 
-def to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype) -> dict:
-    """Builds the parameter tree from HF-named tensors.
+def map_tensors(
+    expected: dict[tuple[str, ...], tuple[int, ...]],
+    tensors: dict[str, np.ndarray],
+    dtype: jnp.dtype,
+    what: str,
+    ignore: tuple[tuple[str, ...], ...] = (),
+) -> dict:
+    """Builds a parameter tree from HF-named tensors, checked against a module's parameter shapes.
 
     Args:
-      config: the model's architecture.
+      expected: parameter path -> shape of the module being loaded.
       tensors: HF name -> array (e.g. `model.layers.0.self_attn.q_proj.weight`).
       dtype: parameter dtype.
+      what: the model's name for error messages.
+      ignore: parameter paths that may be present in a checkpoint and are dropped.
 
     Returns:
-      {"params": ...} ready for `Transformer(config, dtype).apply`.
+      {"params": ...}.
 
     Raises:
       CheckpointError: on missing tensors, unexpected tensors or shape mismatches.
     """
-    expected = expected_param_shapes(config)
     flat = {}
     unexpected = []
     for name, value in tensors.items():
         path = _flax_path(name)
-        if path == ("lm_head", "weight") and config.tie_word_embeddings:
-            continue  # some exports save the tied head twice
+        if path in ignore:
+            continue
         if path not in expected:
             unexpected.append(name)
             continue
@@ -87,8 +98,15 @@ def to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dt
     missing = sorted(".".join(p) for p in expected if p not in flat)
     if missing or unexpected:
         raise CheckpointError(
-            f"checkpoint does not match a {config.arch} model: missing {missing[:8]}"
+            f"checkpoint does not match a {what}: missing {missing[:8]}"
             f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
             f"{' ...' if len(unexpected) > 8 else ''}"
         )
     return {"params": flax.traverse_util.unflatten_dict(flat)}
+
+
+def to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype) -> dict:
+    """Builds a target's parameter tree from HF-named tensors (see `map_tensors`)."""
+    # Some exports save a tied head twice; the tied model reads the embedding instead.
+    ignore = (("lm_head", "weight"),) if config.tie_word_embeddings else ()
+    return map_tensors(expected_param_shapes(config), tensors, dtype, f"{config.arch} model", ignore)

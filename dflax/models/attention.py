@@ -26,6 +26,7 @@ class AttentionConfig:
     """What one attention layer needs to know.
 
     Attributes:
+      hidden_size: model width D (input and output of the layer).
       num_heads: query heads N.
       num_kv_heads: key/value heads K (N % K == 0).
       head_dim: H.
@@ -42,6 +43,7 @@ class AttentionConfig:
         mode: CPU tests), "auto" (Pallas on TPU/GPU, reference on CPU).
     """
 
+    hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -127,7 +129,29 @@ class Attention(nn.Module):
     cfg: AttentionConfig
     dtype: jnp.dtype = jnp.float32
 
-    @nn.compact
+    def setup(self):
+        cfg = self.cfg
+        self.q_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, self.dtype)
+        self.k_proj = Linear(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, self.dtype)
+        self.v_proj = Linear(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, self.dtype)
+        self.o_proj = Linear(cfg.hidden_size, cfg.o_bias, self.dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.norm_eps, cfg.gemma_norm, self.dtype)
+            self.k_norm = RMSNorm(cfg.norm_eps, cfg.gemma_norm, self.dtype)
+
+    def _inv_freq(self):
+        return rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+
+    def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys (normalized, rotated) and values of x: [B, T, D] -> ([B, T, K, H], [B, T, K, H])."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, positions, self._inv_freq()), v
+
     def __call__(
         self,
         x: jax.Array,
@@ -151,18 +175,10 @@ class Attention(nn.Module):
         """
         cfg = self.cfg
         b, t, _ = x.shape
-        q = Linear(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, self.dtype, name="q_proj")(x)
-        k = Linear(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, self.dtype, name="k_proj")(x)
-        v = Linear(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, self.dtype, name="v_proj")(x)
-        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
-        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, K, H]
-        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, K, H]
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
         if cfg.qk_norm:
-            q = RMSNorm(cfg.norm_eps, cfg.gemma_norm, self.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.norm_eps, cfg.gemma_norm, self.dtype, name="k_norm")(k)
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+            q = self.q_norm(q)
+        q = apply_rope(q, positions, self._inv_freq())
+        k, v = self.project_kv(x, positions)  # [B, T, K, H]
         out = attend(cfg, q, k_cache, v_cache, cache_len, k, v, new_mask, positions)  # [B, T, N, H]
-        out = Linear(x.shape[-1], cfg.o_bias, self.dtype, name="o_proj")(out.reshape(b, t, -1))
-        return out, k, v
+        return self.o_proj(out.reshape(b, t, -1)), k, v

@@ -21,6 +21,7 @@ def attention_config(config: ModelConfig, layer_idx: int, backend: str = "auto")
     """The attention settings of one layer (local layers get the window and the local RoPE base)."""
     sliding = config.layer_types[layer_idx] == "sliding_attention"
     return AttentionConfig(
+        hidden_size=config.hidden_size,
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
@@ -66,25 +67,31 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     attention_backend: str = "auto"
 
-    @nn.compact
-    def __call__(self, x, positions, k_cache, v_cache, cache_len, new_mask):
-        """x [B, T, D] -> (x [B, T, D], k_new [B, T, K, H], v_new [B, T, K, H])."""
+    def setup(self):
         cfg = self.config
 
-        def norm(name):
-            return RMSNorm(cfg.rms_norm_eps, cfg.is_gemma, self.dtype, name=name)
+        def norm():
+            return RMSNorm(cfg.rms_norm_eps, cfg.is_gemma, self.dtype)
 
-        attn_cfg = attention_config(cfg, self.layer_idx, self.attention_backend)
-        h, k_new, v_new = Attention(attn_cfg, self.dtype, name="self_attn")(
-            norm("input_layernorm")(x), positions, k_cache, v_cache, cache_len, new_mask
-        )
-        mlp = GatedMLP(cfg.intermediate_size, cfg.hidden_act, self.dtype, name="mlp")
+        self.self_attn = Attention(attention_config(cfg, self.layer_idx, self.attention_backend), self.dtype)
+        self.mlp = GatedMLP(cfg.intermediate_size, cfg.hidden_act, self.dtype)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
         if cfg.is_gemma:
-            x = x + norm("post_attention_layernorm")(h)
-            x = x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x)))
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def __call__(self, x, positions, k_cache, v_cache, cache_len, new_mask):
+        """x [B, T, D] -> (x [B, T, D], k_new [B, T, K, H], v_new [B, T, K, H])."""
+        h, k_new, v_new = self.self_attn(
+            self.input_layernorm(x), positions, k_cache, v_cache, cache_len, new_mask
+        )
+        if self.config.is_gemma:
+            x = x + self.post_attention_layernorm(h)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         else:
             x = x + h
-            x = x + mlp(norm("post_attention_layernorm")(x))
+            x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_new, v_new
 
 

@@ -2,7 +2,7 @@
 
 Plain autoregressive decoding is this loop with a drafter that proposes nothing: the verified block is
 just the last committed token, and the acceptance rule commits the one token sampled from the target.
-Speculative methods plug a `propose` function into the same step.
+Speculative methods plug a `Proposer` into the same step.
 
 Randomness is per row: row r at output index i uses fold_in(row_key[r], i), so a prompt's output does
 not depend on which other prompts share its batch.
@@ -12,19 +12,41 @@ Glossary: B batch, P prompt bucket, S cache slots, M max new tokens (+ block hea
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dflax.models.transformer import Transformer
-from dflax.spec.acceptance import accept_delta
+from dflax.spec.acceptance import accept_delta, accept_ratio
 from dflax.spec.cache import KVCache, write_rows
 from dflax.spec.sampling import SamplingParams, sample
 
-# propose(state) -> [B, n] int32 draft tokens for the next block (n static).
-ProposeFn = Callable[["DecodeState"], jax.Array]
+
+class Proposer(Protocol):
+    """A drafter as the decode loop sees it (static; its parameters travel as a traced pytree).
+
+    Attributes:
+      num_draft: n, draft tokens proposed per step (static).
+      tap_layers: target layers whose output hidden states the drafter reads (HF hidden_states[l + 1]).
+    """
+
+    num_draft: int
+    tap_layers: tuple[int, ...]
+
+    def init_state(self, batch: int, slots: int, dtype: jnp.dtype) -> Any:
+        """The drafter's own loop state (e.g. its context KV cache), empty."""
+
+    def observe(
+        self, params: Any, drafter_state: Any, taps: tuple, positions: jax.Array, count: jax.Array
+    ) -> Any:
+        """Adds the first `count` [B] of the tokens at `positions` [B, T] (with their target taps)."""
+
+    def propose(
+        self, params: Any, target_params: dict, state: DecodeState, key: jax.Array
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Draft tokens [B, n] and, when they were sampled from q, log q [B, n, V] (else None)."""
 
 
 @struct.dataclass
@@ -42,6 +64,7 @@ class DecodeState:
       eos_ids: [E] int32 token ids that end a row.
       steps: [B] int32 verify steps taken while the row was active.
       accept_hist: [B, n + 2] int32, histogram of tokens committed per step (index = count).
+      drafter_state: the proposer's own state (None for plain decoding).
     """
 
     cache: KVCache
@@ -54,6 +77,7 @@ class DecodeState:
     eos_ids: jax.Array
     steps: jax.Array
     accept_hist: jax.Array
+    drafter_state: Any = None
 
 
 def _is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
@@ -74,9 +98,10 @@ def prefill(
     row_keys: jax.Array,
     eos_ids: jax.Array,
     sampling: SamplingParams,
+    drafter_params: Any = None,
     *,
     max_tokens: int,
-    max_draft: int = 0,
+    proposer: Proposer | None = None,
 ) -> DecodeState:
     """Runs the prompts through the target and samples each row's first token.
 
@@ -90,8 +115,9 @@ def prefill(
       row_keys: [B] PRNG keys.
       eos_ids: [E] int32.
       sampling: target sampling settings.
+      drafter_params: the proposer's parameters (None for plain decoding).
       max_tokens: static size M of the output buffer (>= max(max_new)).
-      max_draft: static draft length n of the step that will follow (sizes the histogram and headroom).
+      proposer: the drafter of the steps that follow (None for plain decoding); it observes the prompt.
 
     Returns:
       The initial decode state.
@@ -100,12 +126,18 @@ def prefill(
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
     mask = causal[None] & (jnp.arange(p)[None, None, :] < prompt_lens[:, None, None])  # [B, P, P]
-    hidden, cache, _ = model.apply(params, prompt_tokens, positions, cache, mask)
+    taps_wanted = proposer.tap_layers if proposer else ()
+    hidden, cache, taps = model.apply(params, prompt_tokens, positions, cache, mask, taps_wanted)
     last_hidden = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = model.apply(params, last_hidden, method=Transformer.logits)  # [B, V]
     keys = _row_keys_at(row_keys, jnp.zeros((b,), jnp.int32))
     first = jax.vmap(lambda k, lg: sample(k, lg, sampling))(keys, logits)  # [B]
-    tokens = jnp.zeros((b, max_tokens + max_draft + 1), jnp.int32).at[:, 0].set(first)
+    n = proposer.num_draft if proposer else 0
+    tokens = jnp.zeros((b, max_tokens + n + 1), jnp.int32).at[:, 0].set(first)
+    drafter_state = None
+    if proposer:
+        drafter_state = proposer.init_state(b, cache.max_len, hidden.dtype)
+        drafter_state = proposer.observe(drafter_params, drafter_state, taps, positions, prompt_lens)
     return DecodeState(
         cache=cache.replace(lengths=prompt_lens.astype(jnp.int32)),
         last_token=first,
@@ -116,7 +148,8 @@ def prefill(
         row_keys=row_keys,
         eos_ids=eos_ids,
         steps=jnp.zeros((b,), jnp.int32),
-        accept_hist=jnp.zeros((b, max_draft + 2), jnp.int32),
+        accept_hist=jnp.zeros((b, n + 2), jnp.int32),
+        drafter_state=drafter_state,
     )
 
 
@@ -125,7 +158,8 @@ def decode_step(
     params: dict,
     state: DecodeState,
     sampling: SamplingParams,
-    propose: ProposeFn | None = None,
+    drafter_params: Any = None,
+    proposer: Proposer | None = None,
 ) -> DecodeState:
     """One draft -> verify -> accept -> commit step for every row.
 
@@ -134,23 +168,36 @@ def decode_step(
       params: its parameters.
       state: the loop state.
       sampling: target sampling settings.
-      propose: drafter hook returning [B, n] draft tokens; None for plain decoding (n = 0).
+      drafter_params: the proposer's parameters.
+      proposer: the drafter (None for plain decoding: n = 0).
 
     Returns:
       The state after committing between 1 and n + 1 tokens per active row.
     """
     cache = state.cache
     b = state.last_token.shape[0]
-    drafts = jnp.zeros((b, 0), jnp.int32) if propose is None else propose(state)  # [B, n]
+    keys = _row_keys_at(state.row_keys, state.num_generated)
+    accept_keys, draft_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+    if proposer is None:
+        drafts, draft_log_probs = jnp.zeros((b, 0), jnp.int32), None
+    else:
+        drafts, draft_log_probs = proposer.propose(drafter_params, params, state, draft_keys)  # [B, n]
     n = drafts.shape[1]
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, n + 1]
     positions = cache.lengths[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((n + 1, n + 1), jnp.bool_)), (b, n + 1, n + 1))
-    hidden, cache, _ = model.apply(params, block, positions, cache, causal)
+    taps_wanted = proposer.tap_layers if proposer else ()
+    hidden, cache, taps = model.apply(params, block, positions, cache, causal, taps_wanted)
     logits = model.apply(params, hidden, method=Transformer.logits)  # [B, n + 1, V]
 
-    keys = _row_keys_at(state.row_keys, state.num_generated)
-    acc = jax.vmap(lambda k, d, lg: accept_delta(k, d[None], lg[None], sampling))(keys, drafts, logits)
+    if draft_log_probs is None:
+        acc = jax.vmap(lambda k, d, lg: accept_delta(k, d[None], lg[None], sampling))(
+            accept_keys, drafts, logits
+        )
+    else:
+        acc = jax.vmap(lambda k, d, q, lg: accept_ratio(k, d[None], q[None], lg[None], sampling))(
+            accept_keys, drafts, draft_log_probs, logits
+        )
     committed = acc.tokens[:, 0]  # [B, n + 1]; valid up to num_accepted + 1
     count = acc.num_accepted[:, 0] + 1  # [B]
 
@@ -164,6 +211,13 @@ def decode_step(
     finished = active & ((eos_at < count) | (emitted >= budget))
 
     last = jnp.take_along_axis(committed, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    drafter_state = state.drafter_state
+    if proposer is not None:
+        # The block's target features come free from the verify pass: the drafter keeps those of the
+        # committed tokens (the last committed token and the accepted drafts).
+        drafter_state = proposer.observe(
+            drafter_params, drafter_state, taps, positions, jnp.where(active, count, 0)
+        )
     return state.replace(
         cache=cache.replace(lengths=cache.lengths + jnp.where(active, count, 0)),
         last_token=jnp.where(active, last, state.last_token),
@@ -174,6 +228,7 @@ def decode_step(
         done=state.done | finished,
         steps=state.steps + active,
         accept_hist=state.accept_hist + jax.nn.one_hot(count, n + 2, dtype=jnp.int32) * active[:, None],
+        drafter_state=drafter_state,
     )
 
 
@@ -182,7 +237,8 @@ def decode_loop(
     params: dict,
     state: DecodeState,
     sampling: SamplingParams,
-    propose: ProposeFn | None = None,
+    drafter_params: Any = None,
+    proposer: Proposer | None = None,
 ) -> DecodeState:
     """Runs `decode_step` until every row is done, without returning to Python.
 
@@ -191,13 +247,14 @@ def decode_loop(
       params: its parameters.
       state: from `prefill`.
       sampling: target sampling settings.
-      propose: drafter hook (None = plain decoding).
+      drafter_params: the proposer's parameters.
+      proposer: the drafter (None = plain decoding).
 
     Returns:
       The final state; row r's output is tokens[r, :num_generated[r]].
     """
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.done),
-        lambda s: decode_step(model, params, s, sampling, propose),
+        lambda s: decode_step(model, params, s, sampling, drafter_params, proposer),
         state,
     )

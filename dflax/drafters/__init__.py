@@ -1,0 +1,93 @@
+"""Drafters: DFlash (block diffusion with KV injection). `load_drafter` returns one ready for `generate`."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from dflax.drafters.checkpoint import load_drafter_checkpoint, save_drafter
+from dflax.drafters.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    DFlashProposer,
+    DraftSampling,
+    init_drafter_params,
+)
+from dflax.target import Target
+
+UNTRAINED = "untrained"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Drafter:
+    """A drafter bound to its target: config, parameters and the proposer the decode loop runs.
+
+    Attributes:
+      name: where it came from.
+      config: its architecture.
+      params: {"params": ...}.
+      proposer: the static proposer (block size and draft sampling included).
+    """
+
+    name: str
+    config: DFlashConfig
+    params: dict
+    proposer: DFlashProposer
+
+    def with_block_size(self, block_size: int) -> Drafter:
+        """The same drafter drafting blocks of another size (B - 1 drafts per step)."""
+        if block_size < 2:
+            raise ValueError(
+                f"block size must be >= 2 (the anchor plus at least one draft), got {block_size}"
+            )
+        return dataclasses.replace(self, proposer=dataclasses.replace(self.proposer, block_size=block_size))
+
+    def save(self, path: str | Path, dtype: str = "float32") -> None:
+        """Writes the drafter in the official DFlash layout (see dflax.drafters.checkpoint)."""
+        target_layers = self.proposer.target.config.num_layers
+        save_drafter(path, self.config, self.params, target_layers, dtype)
+
+
+def load_drafter(
+    name_or_path: str | Path,
+    target: Target,
+    block_size: int | None = None,
+    draft_sampling: DraftSampling = DraftSampling(),
+    seed: int = 0,
+) -> Drafter:
+    """Loads a DFlash drafter for a target.
+
+    Args:
+      name_or_path: a drafter directory (official z-lab/dflash layout or one dflax saved), or
+        "untrained" for a randomly initialised drafter at the target's width (tau near 1; for tests).
+      target: the loaded target; the drafter shares its embedding and LM head.
+      block_size: B at decode time; default the block size the drafter was trained with.
+      draft_sampling: greedy drafts (delta rule, default) or sampled drafts (ratio rule).
+      seed: initialisation seed for "untrained".
+
+    Raises:
+      ValueError: when the drafter does not fit the target (hidden size, vocabulary, layer ids).
+      FileNotFoundError / CheckpointError: for a missing or broken checkpoint.
+    """
+    dtype = target.dtype
+    if str(name_or_path) == UNTRAINED:
+        config = DFlashConfig.for_target(target.config)
+        params = None
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"drafter {name_or_path!r} not found: give a drafter directory (config.json + "
+                f"*.safetensors) or {UNTRAINED!r}"
+            )
+        config, params = load_drafter_checkpoint(path, dtype)
+    config.check_target(target.config)
+    module = DFlashDrafter(config, dtype, target.module.attention_backend)
+    if params is None:
+        params = init_drafter_params(module, seed)
+    proposer = DFlashProposer(module, target.module, block_size or config.block_size, draft_sampling)
+    drafter = Drafter(str(name_or_path), config, params, proposer)
+    return drafter.with_block_size(proposer.block_size)
+
+
+__all__ = ["DFlashConfig", "DraftSampling", "Drafter", "init_drafter_params", "load_drafter"]

@@ -1,0 +1,117 @@
+"""DFlash drafter checkpoints in the official z-lab/dflash layout (which dflax also writes).
+
+A drafter directory holds:
+- config.json: a Qwen3-style config (hidden_size, intermediate_size, num_hidden_layers,
+  num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_theta, vocab_size, ...) plus
+  `block_size`, `num_target_layers` and `dflash_config: {"target_layer_ids": [...], "mask_token_id": id}`;
+- model.safetensors: `layers.N.self_attn.{q,k,v,o}_proj.weight`, `layers.N.self_attn.{q,k}_norm.weight`,
+  `layers.N.mlp.{gate,up,down}_proj.weight`, `layers.N.{input,post_attention}_layernorm.weight`,
+  `fc.weight`, `hidden_norm.weight`, `norm.weight`. The embedding and LM head are the target's and are
+  not stored.
+dflax extension: a drafter with a learned mask stores `mask_embedding` [hidden] and
+`dflash_config.mask_token_id: null`. Weights are saved as float32 or bfloat16 (`dtype`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflax.checkpoints.params import CheckpointError, map_tensors, param_shapes
+from dflax.drafters.dflash import DFlashConfig, DFlashDrafter, init_drafter_params
+from dflax.models.config import ModelConfig
+
+
+def config_to_json(config: DFlashConfig, num_target_layers: int) -> dict:
+    """The official config.json dictionary of a drafter."""
+    layers = config.layers
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": layers.hidden_size,
+        "intermediate_size": layers.intermediate_size,
+        "num_hidden_layers": layers.num_layers,
+        "num_attention_heads": layers.num_heads,
+        "num_key_value_heads": layers.num_kv_heads,
+        "head_dim": layers.head_dim,
+        "rms_norm_eps": layers.rms_norm_eps,
+        "rope_theta": layers.rope_theta,
+        "vocab_size": layers.vocab_size,
+        "max_position_embeddings": layers.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "block_size": config.block_size,
+        "num_target_layers": num_target_layers,
+        "dflash_config": {
+            "target_layer_ids": list(config.target_layer_ids),
+            "mask_token_id": config.mask_token_id,
+        },
+    }
+
+
+def config_from_json(data: dict) -> DFlashConfig:
+    """Reads an official (or dflax-written) drafter config.json dictionary."""
+    dflash = data.get("dflash_config") or {}
+    layer_ids = dflash.get("target_layer_ids", data.get("target_layer_ids"))
+    if layer_ids is None:
+        raise CheckpointError("drafter config.json has no dflash_config.target_layer_ids")
+    layers = ModelConfig.from_hf({**data, "model_type": "qwen3", "tie_word_embeddings": True})
+    return DFlashConfig(
+        layers=layers,
+        block_size=int(data.get("block_size", dflash.get("block_size", 16))),
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        mask_token_id=dflash.get("mask_token_id", data.get("mask_token_id")),
+    )
+
+
+def _hf_name(path: tuple[str, ...]) -> str:
+    head, *rest = path
+    if head.startswith("layers_"):
+        head = "layers." + head.removeprefix("layers_")
+    return ".".join([head, *rest])
+
+
+def save_drafter(
+    path: str | Path, config: DFlashConfig, params: dict, num_target_layers: int, dtype: str = "float32"
+) -> None:
+    """Writes config.json + model.safetensors in the official layout (see the module docstring)."""
+    from safetensors.numpy import save_file
+
+    np_dtype = {"float32": np.float32, "bfloat16": jnp.bfloat16}[dtype]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    flat = flax.traverse_util.flatten_dict(params["params"])
+    tensors = {_hf_name(p): np.asarray(jax.device_get(v)).astype(np_dtype) for p, v in flat.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "dflax-dflash"})
+    (path / "config.json").write_text(json.dumps(config_to_json(config, num_target_layers), indent=2) + "\n")
+
+
+def load_drafter_checkpoint(path: str | Path, dtype: jnp.dtype) -> tuple[DFlashConfig, dict]:
+    """Reads a drafter directory.
+
+    Raises:
+      FileNotFoundError: when config.json or the safetensors are missing.
+      CheckpointError: when tensors do not fit the config.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a DFlash drafter directory (no config.json)")
+    config = config_from_json(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="flax") as f:
+            tensors.update({name: np.asarray(f.get_tensor(name)) for name in f.keys()})
+    module = DFlashDrafter(config, dtype)
+    expected = param_shapes(jax.eval_shape(lambda: init_drafter_params(module)))
+    return config, map_tensors(expected, tensors, dtype, "DFlash drafter")

@@ -1,0 +1,264 @@
+"""DFlash: a block-diffusion drafter conditioned on the target's hidden features (arXiv 2602.06036).
+
+A few decoder layers at the target's width draft a whole block in one forward pass. The block is
+[last committed token, MASK x (B - 1)] at absolute positions [L, L + B); attention inside the block is
+bidirectional, and every layer also attends to the context: the target's hidden states after K chosen
+layers, concatenated per token, fused by fc -> RMSNorm, and projected by that layer's own k/v projections
+(KV injection). The drafter keeps these projected context keys/values in its own KV cache and extends it
+each step only with the newly committed tokens, whose target features come free from the verify pass.
+Embedding and LM head are the target's, shared and frozen; draft token k is read at block position k.
+
+Glossary: B batch, T tokens, D width, K fused target layers, V vocabulary, n = block_size - 1 drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflax.models.config import ModelConfig
+from dflax.models.layers import Linear, RMSNorm
+from dflax.models.transformer import DecoderLayer, Transformer
+from dflax.spec.cache import KVCache, write_rows
+from dflax.spec.sampling import SamplingParams, target_log_probs
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[int, ...]:
+    """The published spread: round(1 + i * (N - 4) / (K - 1)) for i < K (36 layers -> 1, 9, 17, 25, 33)."""
+    if num_target_layers < 5:
+        return tuple(range(min(num_features, num_target_layers)))
+    if num_features == 1:
+        return (1,)
+    return tuple(int(1 + i * (num_target_layers - 4) / (num_features - 1) + 0.5) for i in range(num_features))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """A DFlash drafter's architecture, tied to its target's.
+
+    Attributes:
+      layers: the drafter's decoder layers (Qwen3-style, q/k-norm) at the target's width, heads, FFN.
+      block_size: B, tokens per drafted block (the anchor + B - 1 drafts) it was trained for.
+      target_layer_ids: target layers whose outputs are fused (HF hidden_states[l + 1]).
+      mask_token_id: a target token id used as the mask (official Qwen3 drafters); None = a learned
+        mask embedding owned by the drafter.
+      target_hidden_size, target_vocab_size, target_num_layers: what the drafter was built for.
+    """
+
+    layers: ModelConfig
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int | None = None
+
+    @classmethod
+    def for_target(
+        cls,
+        target: ModelConfig,
+        num_layers: int = 3,
+        block_size: int = 16,
+        target_layer_ids: tuple[int, ...] | None = None,
+        mask_token_id: int | None = None,
+    ) -> DFlashConfig:
+        """A drafter config at the target's width/heads/FFN (layer ids by the published spread by default)."""
+        layers = ModelConfig(
+            arch="qwen3",
+            vocab_size=target.vocab_size,
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_layers=num_layers,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            tie_word_embeddings=True,
+            max_position_embeddings=target.max_position_embeddings,
+        )
+        ids = (
+            target_layer_ids if target_layer_ids is not None else default_target_layer_ids(target.num_layers)
+        )
+        return cls(
+            layers=layers, block_size=block_size, target_layer_ids=tuple(ids), mask_token_id=mask_token_id
+        )
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raises ValueError with the fix when this drafter cannot serve `target`."""
+        problems = []
+        if self.layers.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {self.layers.hidden_size} != target's {target.hidden_size}")
+        if self.layers.vocab_size != target.vocab_size:
+            problems.append(f"vocabulary {self.layers.vocab_size} != target's {target.vocab_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the target's vocabulary")
+        if problems:
+            raise ValueError(
+                "this DFlash drafter was not built for this target: "
+                + "; ".join(problems)
+                + ". Use a drafter trained for this target (or train one with `dflax train`)."
+            )
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter's own parameters and forward (embedding and LM head come from the target).
+
+    Parameter names mirror the official checkpoint layout: layers_N/{self_attn, mlp, input_layernorm,
+    post_attention_layernorm}, fc, hidden_norm, norm, plus `mask_embedding` when no mask token id is used.
+    """
+
+    config: DFlashConfig
+    dtype: jnp.dtype = jnp.float32
+    attention_backend: str = "auto"
+
+    def setup(self):
+        cfg = self.config.layers
+        self.layers = [
+            DecoderLayer(cfg, i, self.dtype, self.attention_backend) for i in range(cfg.num_layers)
+        ]
+        self.fc = Linear(cfg.hidden_size, dtype=self.dtype)
+        self.hidden_norm = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype)
+        self.norm = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype)
+        if self.config.mask_token_id is None:
+            self.mask_embedding = self.param(
+                "mask_embedding", nn.initializers.normal(0.02), (cfg.hidden_size,), self.dtype
+            )
+
+    def context_kv(self, features: jax.Array, positions: jax.Array) -> tuple[tuple, tuple]:
+        """Per-layer context keys/values of target features.
+
+        Args:
+          features: [B, T, K * D] concatenated target hidden states.
+          positions: [B, T] their absolute positions.
+
+        Returns:
+          (keys, values): one [B, T, K_heads, H] array per drafter layer each.
+        """
+        context = self.hidden_norm(self.fc(features))  # [B, T, D]
+        kv = [layer.self_attn.project_kv(context, positions) for layer in self.layers]
+        return tuple(k for k, _ in kv), tuple(v for _, v in kv)
+
+    def __call__(self, block: jax.Array, positions: jax.Array, context: KVCache) -> jax.Array:
+        """Drafts one block.
+
+        Args:
+          block: [B, T, D] input embeddings of [anchor, MASK x (T - 1)].
+          positions: [B, T] absolute positions.
+          context: per-layer context K/V with valid lengths.
+
+        Returns:
+          [B, T, D] final hidden states (read at positions 1..T-1 through the target's LM head).
+        """
+        b, t, _ = block.shape
+        visible = jnp.ones((b, t, t), jnp.bool_)  # bidirectional inside the block
+        x = block
+        for i, layer in enumerate(self.layers):
+            x, _, _ = layer(x, positions, context.k[i], context.v[i], context.lengths, visible)
+        return self.norm(x)
+
+    def mask_vector(self) -> jax.Array:
+        """The learned mask embedding [D]."""
+        return self.mask_embedding
+
+    def init_all(self, block, positions, context, features):
+        """Touches every parameter (for `init`)."""
+        self.context_kv(features, positions)
+        return self(block, positions, context)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSampling:
+    """How drafts are chosen: "greedy" (argmax, verified by the delta rule at any temperature) or
+    "sample" (drawn from the drafter's q at `temperature`, verified by the ratio rule)."""
+
+    mode: str = "greedy"
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if self.mode not in ("greedy", "sample"):
+            raise ValueError(f"draft sampling mode {self.mode!r} unknown; use 'greedy' or 'sample'")
+        if self.mode == "sample" and self.temperature <= 0:
+            raise ValueError("draft sampling 'sample' needs a positive drafter temperature")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DFlashProposer:
+    """The DFlash drafter as the decode loop's `Proposer` (static; parameters are passed in).
+
+    Attributes:
+      module: the drafter module.
+      target: the target module whose embedding and LM head the drafter shares.
+      block_size: B used at decode time (<= the trained block size works; 8 and 16 are typical).
+      draft_sampling: greedy drafts (delta rule) or sampled drafts (ratio rule).
+    """
+
+    module: DFlashDrafter
+    target: Transformer
+    block_size: int
+    draft_sampling: DraftSampling = DraftSampling()
+
+    @property
+    def num_draft(self) -> int:
+        """n = block_size - 1 drafts per step."""
+        return self.block_size - 1
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The target layers whose outputs the drafter fuses."""
+        return self.module.config.target_layer_ids
+
+    def init_state(self, batch: int, slots: int, dtype: jnp.dtype) -> KVCache:
+        """An empty context cache with as many slots as the target's."""
+        return KVCache.init(self.module.config.layers, batch, slots, dtype)
+
+    def observe(self, params, drafter_state: KVCache, taps, positions, count) -> KVCache:
+        """Projects the new tokens' target features into the context cache and keeps the first `count`."""
+        features = jnp.concatenate(taps, axis=-1)  # [B, T, K * D]
+        ks, vs = self.module.apply(params, features, positions, method=DFlashDrafter.context_kv)
+        start = drafter_state.lengths
+        return drafter_state.replace(
+            k=tuple(write_rows(buf, k, start) for buf, k in zip(drafter_state.k, ks)),
+            v=tuple(write_rows(buf, v, start) for buf, v in zip(drafter_state.v, vs)),
+            lengths=start + count,
+        )
+
+    def propose(self, params, target_params, state, keys) -> tuple[jax.Array, jax.Array | None]:
+        """Drafts n tokens per row from [last token, MASK x n] in one drafter forward."""
+        config = self.module.config
+        b, n = state.last_token.shape[0], self.num_draft
+        embedding = target_params["params"]["embed_tokens"]["weight"]  # [V, D], raw (unscaled) rows
+        anchor = jnp.take(embedding, state.last_token, axis=0)[:, None]  # [B, 1, D]
+        if config.mask_token_id is None:
+            mask = self.module.apply(params, method=DFlashDrafter.mask_vector).astype(anchor.dtype)
+        else:
+            mask = embedding[config.mask_token_id]
+        block = jnp.concatenate([anchor, jnp.broadcast_to(mask, (b, n, anchor.shape[-1]))], axis=1)
+        positions = state.cache.lengths[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
+        hidden = self.module.apply(params, block, positions, state.drafter_state)  # [B, n + 1, D]
+        logits = self.target.apply(target_params, hidden[:, 1:], method=Transformer.logits)  # [B, n, V]
+        if self.draft_sampling.mode == "greedy":
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        q_params = SamplingParams.make(self.draft_sampling.temperature)
+        log_q = target_log_probs(logits, q_params)  # [B, n, V]
+        drafts = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, axis=-1))(keys, log_q)
+        return drafts.astype(jnp.int32), log_q
+
+
+def init_drafter_params(module: DFlashDrafter, seed: int = 0) -> dict:
+    """Random parameters for a drafter (an untrained drafter: tau near 1)."""
+    cfg = module.config.layers
+    k = len(module.config.target_layer_ids)
+    context = KVCache.init(cfg, 1, 4, module.dtype)
+    return module.init(
+        jax.random.key(seed),
+        jnp.zeros((1, 2, cfg.hidden_size), module.dtype),
+        jnp.zeros((1, 2), jnp.int32),
+        context,
+        jnp.zeros((1, 2, k * cfg.hidden_size), module.dtype),
+        method=DFlashDrafter.init_all,
+    )
