@@ -2,16 +2,21 @@
 
 Public API:
   load_target(name_or_path, dtype=None)  -> Target
-  generate(target, prompts, ...)         -> list[GenerationResult]
+  load_drafter(path_or_name, target, ...)-> Drafter (DFlash)
+  generate(target, prompts, drafter=None, ...) -> list[GenerationResult]
   SamplingParams, ModelConfig, Target, GenerationResult
 """
 
+from dflax.drafters import Drafter, DraftSampling, load_drafter
 from dflax.generation import GenerationResult, PromptTooLongError, generate
 from dflax.models.config import ModelConfig, UnsupportedArchitectureError
 from dflax.spec.sampling import SamplingParams
 from dflax.target import Target, load_target
 
 __all__ = [
+    "DraftSampling",
+    "Drafter",
+    "load_drafter",
     "GenerationResult",
     "ModelConfig",
     "PromptTooLongError",

@@ -7,14 +7,17 @@ prefill time is reported separately.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from dflax.generation import encode_prompt, fit_to_context, generate_ids
@@ -22,14 +25,17 @@ from dflax.prompts import load_prompts
 from dflax.spec.sampling import SamplingParams
 from dflax.target import Target, load_target
 
-BENCH_METHODS = ("ar", "hf")
+BENCH_METHODS = ("ar", "dflash", "hf")
+COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 def _batches(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _run_dflax(target: Target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress):
+def _run_dflax(
+    target: Target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, drafter=None
+):
     sampling = SamplingParams.make(temperature)
     batches = _batches(list(range(len(prompt_ids))), batch_size)
     for idx in batches:  # compile every shape first
@@ -40,6 +46,7 @@ def _run_dflax(target: Target, prompt_ids, max_new_tokens, temperature, batch_si
             sampling=sampling,
             row_seeds=[seed + i for i in idx],
             batch_size=batch_size,
+            drafter=drafter,
             warmup=True,
         )
     tokens, per_batch = [None] * len(prompt_ids), []
@@ -51,6 +58,7 @@ def _run_dflax(target: Target, prompt_ids, max_new_tokens, temperature, batch_si
             sampling=sampling,
             row_seeds=[seed + i for i in idx],
             batch_size=batch_size,
+            drafter=drafter,
         )
         for i, r in zip(idx, results):
             tokens[i] = r.tokens
@@ -62,6 +70,7 @@ def _run_dflax(target: Target, prompt_ids, max_new_tokens, temperature, batch_si
                 "decode_tokens": sum(len(r.tokens) - 1 for r in results),
                 "steps": sum(r.stats["steps"] for r in results),
                 "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
+                "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
             }
         )
         progress(len(idx))
@@ -134,6 +143,9 @@ def _summary(method: str, per_batch: list[dict[str, Any]]) -> dict[str, Any]:
         "prefill_s": sum(b["prefill_s"] for b in per_batch),
         "median_prefill_s": statistics.median(b["prefill_s"] for b in per_batch),
         "tau": sum(b["committed"] for b in per_batch) / steps if steps else 1.0,
+        "accept_hist": np.sum([b["accept_hist"] for b in per_batch], axis=0).tolist()
+        if "accept_hist" in per_batch[0]
+        else None,
     }
 
 
@@ -147,6 +159,10 @@ def run_bench(
     temperature: float,
     batch_size: int,
     seed: int,
+    drafter: str | None = None,
+    block_size: int | None = None,
+    draft_sampling: str = "greedy",
+    cost_curve: bool = False,
     console=None,
 ) -> dict[str, Any]:
     """Benchmarks methods back to back on the same prompts and target.
@@ -160,6 +176,10 @@ def run_bench(
       temperature: 0 = greedy.
       batch_size: prompts per batch.
       seed: sampling seed.
+      drafter: drafter path (or "untrained") for the dflash method.
+      block_size: DFlash block size (default: the drafter's trained one).
+      draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
+      cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       console: optional rich console for progress.
 
     Returns:
@@ -179,7 +199,20 @@ def run_bench(
         fit_to_context(encode_prompt(loaded, r.prompt), max_new_tokens, context, False, str(r.id))
         for r in records
     ]
-    runners = {"ar": _run_dflax, "hf": _run_hf}
+    spec = None
+    if "dflash" in methods:
+        from dflax.drafters import DraftSampling, load_drafter
+
+        if not drafter:
+            raise ValueError("--method dflash needs --drafter PATH (a DFlash drafter directory)")
+        spec = load_drafter(
+            drafter, loaded, block_size=block_size, draft_sampling=DraftSampling(draft_sampling)
+        )
+    runners = {
+        "ar": _run_dflax,
+        "dflash": functools.partial(_run_dflax, drafter=spec),
+        "hf": _run_hf,
+    }
     outputs, results = {}, []
     with Progress(console=console, disable=console is None) as progress:
         for method in methods:
@@ -203,12 +236,91 @@ def run_bench(
             if temperature == 0:
                 same = [a == b for a, b in zip(outputs["ar"], outputs[r["method"]])]
                 r["lossless_match"] = float(np.mean(same))
-    return {
+    report = {
         "target": target,
         "prompts": prompts,
         "n_prompts": len(prompt_ids),
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
+        "drafter": drafter,
+        "block_size": spec.proposer.block_size if spec else None,
         "results": results,
     }
+    if cost_curve:
+        report["cost_curve"] = measure_cost_curve(
+            loaded, spec, context=int(np.median([len(p) for p in prompt_ids]))
+        )
+    return report
+
+
+def _median_time(fn, *args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: int = 15) -> dict[str, Any]:
+    """Median time of one target forward over n new tokens after `context` cached ones, n = 1..32.
+
+    This curve bounds every speedup here: speedup <= tau * t(1) / (t(verify of the block) + t(draft)).
+    With a drafter, also the median time of one draft forward (its block size).
+    """
+    import jax.numpy as jnp
+
+    from dflax.models.transformer import Transformer
+    from dflax.spec.cache import KVCache
+
+    module = target.module
+    slots = context + max(COST_CURVE_SIZES) + 64
+    cache = KVCache.init(target.config, 1, slots, target.dtype).replace(
+        lengths=jnp.asarray([context], jnp.int32)
+    )
+
+    @jax.jit
+    def verify(params, cache, tokens):
+        n = tokens.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
+        mask = jnp.tril(jnp.ones((1, n, n), jnp.bool_))
+        hidden, _, _ = module.apply(params, tokens, positions, cache, mask)
+        return module.apply(params, hidden, method=Transformer.logits)
+
+    verify_s = {}
+    for n in COST_CURVE_SIZES:
+        tokens = jnp.full((1, n), 5, jnp.int32)
+        verify_s[n] = _median_time(verify, target.params, cache, tokens, reps=reps)
+    out = {
+        "context": context,
+        "verify_s": verify_s,
+        "verify_relative": {n: t / verify_s[1] for n, t in verify_s.items()},
+    }
+    if drafter is not None:
+        from dflax.spec.decode import DecodeState
+
+        proposer = drafter.proposer
+        dstate = proposer.init_state(1, slots, target.dtype).replace(
+            lengths=jnp.asarray([context], jnp.int32)
+        )
+        state = DecodeState(
+            cache=cache,
+            last_token=jnp.asarray([5], jnp.int32),
+            tokens=None,
+            num_generated=None,
+            max_new=None,
+            done=None,
+            row_keys=None,
+            eos_ids=None,
+            steps=None,
+            accept_hist=None,
+            drafter_state=dstate,
+        )
+        keys = jax.vmap(jax.random.key)(jnp.zeros((1,), jnp.uint32))
+        draft = jax.jit(lambda p, tp, s, k: proposer.propose(p, tp, s, k)[0])
+        out["draft_s"] = _median_time(draft, drafter.params, target.params, state, keys, reps=reps)
+        out["draft_block_size"] = proposer.block_size
+        out["draft_relative"] = out["draft_s"] / verify_s[1]
+    return out

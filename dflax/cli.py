@@ -17,7 +17,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(stderr=True)
 
 _TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"
-_METHODS = ("ar",)
+_METHODS = ("ar", "dflash")
+_DRAFTER_HELP = "DFlash drafter directory (official z-lab/dflash layout) or 'untrained' (random, for tests)"
 
 
 def _fail(message: str) -> None:
@@ -33,6 +34,22 @@ def _check_method(method: str) -> None:
 def _row_seed(seed: int, rid) -> int:
     """A prompt's seed from the run seed and its id, so a resumed run samples what a full run would."""
     return zlib.crc32(f"{seed}:{json.dumps(rid, sort_keys=True)}".encode()) & 0x7FFFFFFF
+
+
+def _load_drafter(method: str, drafter: str | None, loaded, block_size: int | None, draft_sampling: str):
+    """The drafter for --method dflash (None for ar), with one clear error for bad input."""
+    if method == "ar":
+        return None
+    if not drafter:
+        _fail("--method dflash needs --drafter PATH (a DFlash drafter directory)")
+    from dflax.drafters import DraftSampling, load_drafter
+
+    try:
+        return load_drafter(
+            drafter, loaded, block_size=block_size, draft_sampling=DraftSampling(draft_sampling)
+        )
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
 
 
 def _load(target: str, dtype: str | None):
@@ -65,7 +82,12 @@ def generate(
         None, "--out", help="JSONL results, written as each prompt completes; reruns resume"
     ),
     target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
-    method: str = typer.Option("ar", help="decoding method: ar (plain autoregressive)"),
+    method: str = typer.Option("ar", help="ar (plain autoregressive) or dflash (speculative, lossless)"),
+    drafter: str = typer.Option(None, help=_DRAFTER_HELP),
+    block_size: int = typer.Option(
+        None, help="DFlash block size B (anchor + B-1 drafts); default: trained B"
+    ),
+    draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     chat: bool = typer.Option(False, "--chat", help="wrap argument prompts as a user chat message"),
     max_new_tokens: int = typer.Option(128, help="new tokens per prompt"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
@@ -106,6 +128,7 @@ def generate(
         console.print(f"{out}: {len(records) - len(todo)} of {len(records)} prompts already done, resuming")
 
     loaded = _load(target, dtype)
+    spec_drafter = _load_drafter(method, drafter, loaded, block_size, draft_sampling)
     sink = None
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +173,7 @@ def generate(
                 truncate=truncate,
                 row_seeds=[_row_seed(seed, r.id) for r in todo],
                 on_result=on_result,
+                drafter=spec_drafter,
             )
             elapsed = time.perf_counter() - t0
     except ValueError as e:
@@ -174,7 +198,13 @@ def bench(
     prompts: str = typer.Option("humaneval", help="humaneval, mtbench or a JSONL prompt file"),
     target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
     method: str = typer.Option(
-        "ar", help="comma-separated: ar (dflax plain decoding), hf (transformers, torch)"
+        "ar", help="comma-separated: ar (dflax plain decoding), dflash (needs --drafter), hf (transformers)"
+    ),
+    drafter: str = typer.Option(None, help=_DRAFTER_HELP),
+    block_size: int = typer.Option(None, help="DFlash block size B; default: the drafter's trained B"),
+    draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
+    cost_curve: bool = typer.Option(
+        False, "--cost-curve", help="time verify forwards for n=1..32 and a draft"
     ),
     limit: int = typer.Option(40, help="use the first N prompts"),
     max_new_tokens: int = typer.Option(128, help="new tokens per prompt"),
@@ -200,6 +230,10 @@ def bench(
             temperature=temperature,
             batch_size=batch_size,
             seed=seed,
+            drafter=drafter,
+            block_size=block_size,
+            draft_sampling=draft_sampling,
+            cost_curve=cost_curve,
             console=console,
         )
     except (ValueError, ImportError, FileNotFoundError) as e:

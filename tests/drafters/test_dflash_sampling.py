@@ -1,0 +1,77 @@
+"""Speculative sampling through the whole decode loop matches the target's own distribution.
+
+A tiny target with top-k 3 has at most 27 possible 3-token continuations, so their exact probabilities
+are computable. 4096 generations with an untrained (deliberately poor) DFlash drafter, verified by the
+delta rule (greedy drafts) and by the ratio rule (drafts sampled from q), must match them (chi-square).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+from tiny_checkpoints import full_sequence_logits
+
+import dflax
+from dflax.drafters import DraftSampling, load_drafter
+from dflax.generation import generate_ids
+from dflax.spec.sampling import SamplingParams, target_log_probs
+
+PROMPT = [7, 8, 9, 10]
+N_ROWS, ROUNDS = 256, 16
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint):
+    return dflax.load_target(str(tiny_checkpoint("llama")[0]))
+
+
+def exact_distribution(target, sampling) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) by enumerating the kept tokens at each step."""
+
+    def step(prefix):
+        logp = np.asarray(target_log_probs(jnp.asarray(full_sequence_logits(target, prefix)[-1]), sampling))
+        return {int(t): float(np.exp(logp[t])) for t in np.flatnonzero(logp > -1e29)}
+
+    out = {}
+    for t1, p1 in step(PROMPT).items():
+        for t2, p2 in step(PROMPT + [t1]).items():
+            for t3, p3 in step(PROMPT + [t1, t2]).items():
+                out[t1, t2, t3] = p1 * p2 * p3
+    return out
+
+
+def sampled_counts(target, sampling, drafter) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    for r in range(ROUNDS):
+        results = generate_ids(
+            target, [PROMPT] * N_ROWS, max_new_tokens=3, sampling=sampling,
+            row_seeds=list(range(r * N_ROWS, (r + 1) * N_ROWS)), batch_size=N_ROWS, drafter=drafter,
+        )
+        for res in results:
+            counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_speculative_sampling_matches_target(target, mode, temperature, top_p):
+    sampling = SamplingParams.make(temperature=temperature, top_k=3, top_p=top_p)
+    drafter = load_drafter("untrained", target, block_size=4, draft_sampling=DraftSampling(mode, 1.0))
+    exact = exact_distribution(target, sampling)
+    counts = sampled_counts(target, sampling, drafter)
+    assert set(counts) <= set(exact), "generated a sequence the target cannot produce"
+    keys = list(exact)
+    observed = np.array([counts.get(k, 0) for k in keys], np.float64)
+    expected = np.array([exact[k] for k in keys]) / sum(exact.values()) * observed.sum()
+    big = expected >= 5  # pool tiny bins so the chi-square approximation holds
+    if (~big).any():
+        observed = np.append(observed[big], observed[~big].sum())
+        expected = np.append(expected[big], expected[~big].sum())
+    pvalue = stats.chisquare(observed, expected).pvalue
+    assert pvalue > 1e-3, f"p={pvalue:.3g}"
+
+
+def test_exact_distribution_has_the_expected_support(target):
+    assert len(exact_distribution(target, SamplingParams.make(1.0, top_k=3))) == 27
