@@ -130,3 +130,22 @@ def test_prompt_too_long_then_truncate(target_dir):
     assert "has 600 tokens" in " ".join(result.output.split())
     result = run(target_dir, "--truncate", long_prompt)
     assert result.exit_code == 0, result.output
+
+
+def test_dflash_method_matches_ar(tmp_path, target_dir):
+    prompts = tmp_path / "p.jsonl"
+    write_jsonl(prompts, PROMPTS)
+    outputs = {}
+    for method in ("ar", "dflash"):
+        out = tmp_path / f"{method}.jsonl"
+        extra = ["--drafter", "untrained", "--block-size", "4"] if method == "dflash" else []
+        result = run(target_dir, "--prompts", str(prompts), "--out", str(out), "--method", method, *extra)
+        assert result.exit_code == 0, result.output
+        outputs[method] = {k: v["tokens"] for k, v in read_results(out).items()}
+    assert outputs["dflash"] == outputs["ar"]
+
+
+def test_dflash_needs_a_drafter(target_dir):
+    result = run(target_dir, "--method", "dflash", "w5")
+    assert result.exit_code == 2
+    assert "--method dflash needs --drafter" in " ".join(result.output.split())

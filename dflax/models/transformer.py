@@ -132,6 +132,7 @@ class Transformer(nn.Module):
         cache: KVCache,
         new_mask: jax.Array,
         tap_layers: tuple[int, ...] = (),
+        empty_cache: bool = False,
     ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
         """Runs new tokens against the cache.
 
@@ -142,6 +143,8 @@ class Transformer(nn.Module):
             `lengths` is NOT advanced: committing is the caller's decision.
           new_mask: [B, T, T] bool, which new tokens each new token sees (causal for a chain).
           tap_layers: layer ids whose OUTPUT hidden states to return (HF hidden_states[l + 1]).
+          empty_cache: static promise that every row's cache length is 0 (prefill): attention then
+            skips the cache instead of scoring and masking all of its slots.
 
         Returns:
           (hidden [B, T, D] after the final norm, updated cache, taps: one [B, T, D] per tap layer).
@@ -149,7 +152,10 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         ks, vs, taps = [], [], {}
         for i, layer in enumerate(self.layers):
-            x, k_new, v_new = layer(x, positions, cache.k[i], cache.v[i], cache.lengths, new_mask)
+            k_cache, v_cache = cache.k[i], cache.v[i]
+            if empty_cache:
+                k_cache, v_cache = k_cache[:, :0], v_cache[:, :0]  # [B, 0, K, H]
+            x, k_new, v_new = layer(x, positions, k_cache, v_cache, cache.lengths, new_mask)
             ks.append(write_rows(cache.k[i], k_new, cache.lengths))
             vs.append(write_rows(cache.v[i], v_new, cache.lengths))
             if i in tap_layers:

@@ -127,7 +127,9 @@ def prefill(
     causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
     mask = causal[None] & (jnp.arange(p)[None, None, :] < prompt_lens[:, None, None])  # [B, P, P]
     taps_wanted = proposer.tap_layers if proposer else ()
-    hidden, cache, taps = model.apply(params, prompt_tokens, positions, cache, mask, taps_wanted)
+    hidden, cache, taps = model.apply(
+        params, prompt_tokens, positions, cache, mask, taps_wanted, empty_cache=True
+    )
     last_hidden = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = model.apply(params, last_hidden, method=Transformer.logits)  # [B, V]
     keys = _row_keys_at(row_keys, jnp.zeros((b,), jnp.int32))

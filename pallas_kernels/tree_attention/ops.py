@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.tree_attention import gpu, tpu
 from pallas_kernels.tree_attention.reference import check_inputs, tree_attention_reference
@@ -103,6 +104,9 @@ def tree_attention(
     )
     if resolved == "reference":
         return tree_attention_reference(*args, **options)
+    if k_cache.shape[1] == 0:  # an empty cache (prefill): the kernels tile over at least one slot
+        pad = ((0, 0), (0, 1), (0, 0), (0, 0))
+        args = (q, jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), jnp.zeros_like(cache_len), *args[4:])
     if resolved == "tpu":
         return tpu.tree_attention_tpu(*args, **options, block_sizes=block_sizes, interpret=interpret)
     return gpu.tree_attention_gpu(*args, **options, block_sizes=block_sizes, interpret=bool(interpret))

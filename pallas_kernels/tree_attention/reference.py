@@ -107,7 +107,10 @@ def tree_attention_reference(
     # Where (not add) so that NaN/garbage logits of stale slots cannot leak into the max or the sum.
     s_cache = jnp.where(cache_vis[:, None, None], s_cache, MASK_VALUE)
     s_new = jnp.where(new_vis[:, None, None], s_new, MASK_VALUE)
-    m = jnp.maximum(s_cache.max(axis=-1), s_new.max(axis=-1))[..., None]  # [B, K, G, T, 1]
+    # `initial` keeps an empty cache (S = 0, prefill) well defined.
+    m = jnp.maximum(s_cache.max(axis=-1, initial=MASK_VALUE), s_new.max(axis=-1))[
+        ..., None
+    ]  # [B, K, G, T, 1]
     p_cache = jnp.where(cache_vis[:, None, None], jnp.exp(s_cache - m), 0.0)
     p_new = jnp.where(new_vis[:, None, None], jnp.exp(s_new - m), 0.0)
     denom = p_cache.sum(axis=-1) + p_new.sum(axis=-1)  # [B, K, G, T]

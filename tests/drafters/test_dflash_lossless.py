@@ -32,8 +32,13 @@ def target(tiny_checkpoint):
 
 def greedy(target, prompts, max_new, drafter=None, batch_size=4):
     results = generate_ids(
-        target, prompts, max_new_tokens=max_new, sampling=SamplingParams.make(),
-        row_seeds=list(range(len(prompts))), batch_size=batch_size, drafter=drafter,
+        target,
+        prompts,
+        max_new_tokens=max_new,
+        sampling=SamplingParams.make(),
+        row_seeds=list(range(len(prompts))),
+        batch_size=batch_size,
+        drafter=drafter,
     )
     return [r.tokens for r in results], results
 
@@ -129,8 +134,18 @@ def test_drafter_context_cache_tracks_committed_tokens(target):
     keys = jax.vmap(jax.random.key)(jnp.arange(2, dtype=jnp.uint32))
     sampling = SamplingParams.make()
     state = prefill(
-        target.module, target.params, jnp.asarray(tokens), lens, cache, jnp.asarray([20, 13]), keys,
-        jnp.asarray([-1], jnp.int32), sampling, drafter.params, max_tokens=20, proposer=proposer,
+        target.module,
+        target.params,
+        jnp.asarray(tokens),
+        lens,
+        cache,
+        jnp.asarray([20, 13]),
+        keys,
+        jnp.asarray([-1], jnp.int32),
+        sampling,
+        drafter.params,
+        max_tokens=20,
+        proposer=proposer,
     )
     np.testing.assert_array_equal(state.drafter_state.lengths, lens)
     state = decode_loop(target.module, target.params, state, sampling, drafter.params, proposer)

@@ -46,8 +46,13 @@ def sampled_counts(target, sampling, drafter) -> dict[tuple[int, ...], int]:
     counts: dict[tuple[int, ...], int] = {}
     for r in range(ROUNDS):
         results = generate_ids(
-            target, [PROMPT] * N_ROWS, max_new_tokens=3, sampling=sampling,
-            row_seeds=list(range(r * N_ROWS, (r + 1) * N_ROWS)), batch_size=N_ROWS, drafter=drafter,
+            target,
+            [PROMPT] * N_ROWS,
+            max_new_tokens=3,
+            sampling=sampling,
+            row_seeds=list(range(r * N_ROWS, (r + 1) * N_ROWS)),
+            batch_size=N_ROWS,
+            drafter=drafter,
         )
         for res in results:
             counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1

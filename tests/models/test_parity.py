@@ -86,3 +86,22 @@ def test_smollm2_gguf_matches_transformers(smollm2):
         np.testing.assert_allclose(got, expected, atol=5e-4, rtol=1e-5)
     for ids, got in zip(prompts, dflax_greedy(smollm2, prompts, 32, batch_size=2)):
         assert got == hf_greedy(hf_model, ids, 32)[: len(got)]
+
+
+@pytest.mark.slow
+def test_gemma3_gguf_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    from dflax.checkpoints.model_files import gemma3_270m_gguf_path
+
+    target = dflax.load_target("gemma3-270m")
+    path = gemma3_270m_gguf_path()
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = target.tokenizer.encode("The three primary colours are")
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(full_sequence_logits(target, ids), expected, atol=5e-4, rtol=1e-5)
+    got = dflax_greedy(target, [ids], 16, batch_size=1)[0]
+    assert got == hf_greedy(hf_model, ids, 16)[: len(got)]
