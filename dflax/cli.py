@@ -1,10 +1,9 @@
-"""The `dflax` command line: generate and bench."""
+"""The `dflax` command line: generate, bench, make-data and train."""
 
 from __future__ import annotations
 
 import json
 import time
-import zlib
 from pathlib import Path
 
 import typer
@@ -29,11 +28,6 @@ def _fail(message: str) -> None:
 def _check_method(method: str) -> None:
     if method not in _METHODS:
         _fail(f"unknown method {method!r}; available: {', '.join(_METHODS)}")
-
-
-def _row_seed(seed: int, rid) -> int:
-    """A prompt's seed from the run seed and its id, so a resumed run samples what a full run would."""
-    return zlib.crc32(f"{seed}:{json.dumps(rid, sort_keys=True)}".encode()) & 0x7FFFFFFF
 
 
 def _load_drafter(method: str, drafter: str | None, loaded, block_size: int | None, draft_sampling: str):
@@ -102,7 +96,7 @@ def generate(
 ) -> None:
     """Generate completions for prompts given as arguments or in a JSONL file."""
     from dflax.generation import generate as run_generate
-    from dflax.prompts import PromptRecord, completed_ids, read_prompt_file, result_key, result_line
+    from dflax.prompts import PromptRecord, completed_ids, read_prompt_file, result_key, result_line, row_seed
 
     _check_method(method)
     if max_new_tokens < 1:
@@ -171,7 +165,7 @@ def generate(
                 top_p=top_p,
                 batch_size=batch_size,
                 truncate=truncate,
-                row_seeds=[_row_seed(seed, r.id) for r in todo],
+                row_seeds=[row_seed(seed, r.id) for r in todo],
                 on_result=on_result,
                 drafter=spec_drafter,
             )
@@ -242,3 +236,76 @@ def bench(
     if json_out:
         json_out.write_text(text + "\n")
     print(text)
+
+
+@app.command("make-data")
+def make_data_command(
+    config: Path = typer.Option(..., "--config", help="data recipe, e.g. configs/data/smollm2-sharegpt.json"),
+    out: Path = typer.Option(..., "--out", help="data directory (shards + manifest.json); reruns resume"),
+    limit: int = typer.Option(None, help="answer only the first N prompts of the split"),
+    batch_size: int = typer.Option(None, help="prompts decoded together (default: the recipe's)"),
+    split: str = typer.Option("train", help="train or validation"),
+) -> None:
+    """Make drafter training data: ShareGPT prompts answered by the target, in resumable shards."""
+    from dflax.train.make_data import DataConfig, make_data
+
+    if not config.is_file():
+        _fail(f"--config {config}: no such file")
+    try:
+        recipe = DataConfig.from_json(config)
+    except (ValueError, TypeError) as e:
+        _fail(f"--config {config}: {e}")
+    loaded = _load(recipe.target, None)
+    try:
+        summary = make_data(
+            recipe, out, split=split, limit=limit, batch_size=batch_size, target=loaded, console=console
+        )
+    except (ValueError, ImportError) as e:
+        _fail(str(e))
+    seconds = max(summary.seconds, 1e-9)
+    console.print(
+        f"{out}: {summary.shards_written} shard(s) written, {summary.shards_kept} kept; "
+        f"{summary.sequences} sequences, {summary.new_tokens} response tokens in {summary.seconds:.1f}s "
+        f"({summary.sequences / seconds:.2f} seq/s, {summary.new_tokens / seconds:.1f} tokens/s, "
+        "compilation included)"
+    )
+
+
+@app.command("train")
+def train_command(
+    config: Path = typer.Option(..., "--config", help="recipe, e.g. configs/train/dflash-smollm2.json"),
+    data: Path = typer.Option(..., "--data", help="data directory made by `dflax make-data`"),
+    out: Path = typer.Option(..., "--out", help="run directory: checkpoints/, metrics.jsonl, drafter/"),
+    steps: int = typer.Option(None, help="total optimizer steps (default: the recipe's steps or epochs)"),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="continue from the latest checkpoint"),
+) -> None:
+    """Train a DFlash drafter on target-generated data; SIGTERM/Ctrl-C saves a checkpoint to resume from."""
+    import dataclasses
+
+    from dflax.train.dataset import load_sequences
+    from dflax.train.trainer import TrainConfig, train
+
+    if not config.is_file():
+        _fail(f"--config {config}: no such file")
+    try:
+        recipe = TrainConfig.from_json(config)
+        if steps is not None:
+            recipe = dataclasses.replace(recipe, steps=steps)
+    except (ValueError, TypeError) as e:
+        _fail(f"--config {config}: {e}")
+    try:
+        train_seqs = load_sequences(data, "train")
+    except FileNotFoundError as e:
+        _fail(str(e))
+    try:
+        val_seqs = load_sequences(data, "validation")
+    except FileNotFoundError:
+        console.print(f"[yellow]{data} has no validation split: training without validation[/]")
+        val_seqs = []
+    loaded = _load(recipe.target, None)
+    try:
+        result = train(recipe, loaded, train_seqs, val_seqs, out, resume=resume, console=console)
+    except ValueError as e:
+        _fail(str(e))
+    if result.interrupted is not None:
+        raise typer.Exit(128 + result.interrupted)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,11 @@ def load_prompts(source: str) -> tuple[list[PromptRecord], list[BadLine]]:
 def result_key(rid: Any) -> str:
     """The canonical form of an id (so 3 and "3" in a file are told apart consistently)."""
     return json.dumps(rid, sort_keys=True)
+
+
+def row_seed(seed: int, rid: Any) -> int:
+    """A prompt's sampling seed from the run seed and its id, so resumed or re-batched runs sample alike."""
+    return zlib.crc32(f"{seed}:{result_key(rid)}".encode()) & 0x7FFFFFFF
 
 
 def completed_ids(out_path: str | Path) -> set[str]:

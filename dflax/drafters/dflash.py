@@ -227,19 +227,46 @@ class DFlashProposer:
             lengths=start + count,
         )
 
-    def propose(self, params, target_params, state, keys) -> tuple[jax.Array, jax.Array | None]:
-        """Drafts n tokens per row from [last token, MASK x n] in one drafter forward."""
+    def block_inputs(self, params, target_params, last_token: jax.Array) -> jax.Array:
+        """The drafter's input block [anchor, MASK x n]: [R] token ids -> [R, n + 1, D] embeddings.
+
+        The anchor is the target's raw (unscaled) embedding row; the mask is the target's row of
+        `mask_token_id` or, without one, the drafter's learned mask embedding.
+        """
         config = self.module.config
-        b, n = state.last_token.shape[0], self.num_draft
-        embedding = target_params["params"]["embed_tokens"]["weight"]  # [V, D], raw (unscaled) rows
-        anchor = jnp.take(embedding, state.last_token, axis=0)[:, None]  # [B, 1, D]
+        embedding = target_params["params"]["embed_tokens"]["weight"]  # [V, D]
+        anchor = jnp.take(embedding, last_token, axis=0)[:, None]  # [R, 1, D]
         if config.mask_token_id is None:
             mask = self.module.apply(params, method=DFlashDrafter.mask_vector).astype(anchor.dtype)
         else:
             mask = embedding[config.mask_token_id]
-        block = jnp.concatenate([anchor, jnp.broadcast_to(mask, (b, n, anchor.shape[-1]))], axis=1)
-        positions = state.cache.lengths[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
-        hidden = self.module.apply(params, block, positions, state.drafter_state)  # [B, n + 1, D]
+        masks = jnp.broadcast_to(mask, (anchor.shape[0], self.num_draft, anchor.shape[-1]))  # [R, n, D]
+        return jnp.concatenate([anchor, masks], axis=1)
+
+    def draft_hidden(
+        self, params, target_params, last_token: jax.Array, start: jax.Array, context: KVCache
+    ) -> jax.Array:
+        """The drafter forward shared by decoding and training: one block per row.
+
+        Args:
+          params: the drafter's parameters.
+          target_params: the target's parameters (embedding rows for the block).
+          last_token: [R] the anchor (last committed) token of each row.
+          start: [R] int32 the anchor's absolute position; the block sits at [start, start + n + 1).
+          context: per-layer context K/V whose `lengths` (= start when drafting) bound what rows see.
+
+        Returns:
+          [R, n + 1, D] final hidden states; position k (1..n) predicts the token at start + k.
+        """
+        block = self.block_inputs(params, target_params, last_token)  # [R, n + 1, D]
+        positions = start[:, None] + jnp.arange(self.num_draft + 1, dtype=jnp.int32)  # [R, n + 1]
+        return self.module.apply(params, block, positions, context)
+
+    def propose(self, params, target_params, state, keys) -> tuple[jax.Array, jax.Array | None]:
+        """Drafts n tokens per row from [last token, MASK x n] in one drafter forward."""
+        hidden = self.draft_hidden(
+            params, target_params, state.last_token, state.cache.lengths, state.drafter_state
+        )  # [B, n + 1, D]
         logits = self.target.apply(target_params, hidden[:, 1:], method=Transformer.logits)  # [B, n, V]
         if self.draft_sampling.mode == "greedy":
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None

@@ -1,0 +1,279 @@
+"""The DFlash training objective (arXiv 2602.06036): random anchors, one masked block per anchor, weighted CE.
+
+For a sequence of S tokens with target features F [S, K * D], the drafter's per-layer context K/V is
+computed once (`DFlashDrafter.context_kv`). Each of M random anchors a_m inside the response starts one
+block [token a_m, MASK x n] at positions [a_m, a_m + B) that is one row of a batch; the row's context is
+the sequence's K/V with `lengths` = a_m, so block m sees the context strictly before its anchor plus its
+own block (bidirectionally) and never another block. The rows then run the very forward decoding runs
+(`DFlashProposer.draft_hidden`) and the target's frozen LM head: block position k predicts token a_m + k
+(no shift). The loss is the cross-entropy at the n = B - 1 mask positions weighted exp(-(k - 1) / gamma),
+masked where a_m + k is past the sequence end.
+
+Glossary: N sequences, S padded sequence length, M anchors per sequence, R = N * M block rows,
+n = B - 1 drafted positions, D width, V vocabulary. All shapes are static; variation is masks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflax.drafters.dflash import DFlashDrafter, DFlashProposer
+from dflax.models.transformer import Transformer
+from dflax.spec.cache import KVCache
+
+# The paper's decay of the position weights per block size.
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma of the paper for B = 16 / 10 / 8 (7 / 5 / 4)."""
+    if block_size not in PAPER_GAMMA:
+        raise ValueError(
+            f"no published loss decay gamma for block size {block_size} (known: {sorted(PAPER_GAMMA)}); "
+            "set `gamma` in the training config"
+        )
+    return PAPER_GAMMA[block_size]
+
+
+def position_weights(block_size: int, gamma: float) -> jax.Array:
+    """[n] loss weight exp(-(k - 1) / gamma) of block position k = 1..n."""
+    k = jnp.arange(1, block_size, dtype=jnp.float32)
+    return jnp.exp(-(k - 1.0) / gamma)
+
+
+@struct.dataclass
+class Blocks:
+    """The training blocks of a batch, one row per anchor (row r belongs to sequence r // M).
+
+    Attributes:
+      anchors: [R] int32 anchor positions a_m (0 for unused rows).
+      tokens: [R] int32 the anchor tokens.
+      labels: [R, n] int32 tokens a_m + 1 .. a_m + n (0 where invalid).
+      valid: [R, n] bool, the anchor is used and a_m + k lies inside its sequence.
+    """
+
+    anchors: jax.Array
+    tokens: jax.Array
+    labels: jax.Array
+    valid: jax.Array
+
+
+def sample_anchors(key: jax.Array, prompt_len: jax.Array, length: jax.Array, max_len: int, num_anchors: int):
+    """Distinct random anchors inside one sequence's response, deterministic under `key`.
+
+    An anchor a is a committed response token with at least one token after it:
+    prompt_len <= a <= length - 2 (the first response token is the target's own, as at decode time).
+
+    Args:
+      key: PRNG key.
+      prompt_len: [] int32 prompt tokens.
+      length: [] int32 tokens in the sequence (prompt + response).
+      max_len: S, the padded length (static).
+      num_anchors: M (static).
+
+    Returns:
+      (anchors [M] int32, used [M] bool); fewer than M candidates leave the remaining rows unused.
+    """
+    positions = jnp.arange(max_len, dtype=jnp.int32)  # [S]
+    candidate = (positions >= prompt_len) & (positions <= length - 2)
+    scores = jnp.where(candidate, jax.random.uniform(key, (max_len,)), -1.0)  # [S]
+    top, anchors = jax.lax.top_k(scores, num_anchors)  # [M], [M]
+    used = top >= 0.0
+    return jnp.where(used, anchors, 0).astype(jnp.int32), used
+
+
+def make_blocks(
+    key: jax.Array, tokens: jax.Array, prompt_lens: jax.Array, lengths: jax.Array, num_anchors: int, n: int
+) -> Blocks:
+    """Samples M anchors per sequence and gathers their anchor tokens and labels.
+
+    Args:
+      key: PRNG key (each sequence folds in its index).
+      tokens: [N, S] int32 padded sequences.
+      prompt_lens: [N] int32.
+      lengths: [N] int32 real lengths (padding rows have length 0 and get no anchors).
+      num_anchors: M.
+      n: drafted positions per block (B - 1).
+
+    Returns:
+      Blocks with R = N * M rows, sequence-major.
+    """
+    num_seqs, max_len = tokens.shape
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_seqs))
+    anchors, used = jax.vmap(lambda k, p, s: sample_anchors(k, p, s, max_len, num_anchors))(
+        keys, prompt_lens, lengths
+    )  # [N, M], [N, M]
+    offsets = anchors[:, :, None] + jnp.arange(1, n + 1, dtype=jnp.int32)  # [N, M, n]
+    valid = used[:, :, None] & (offsets < lengths[:, None, None])  # [N, M, n]
+    gather = jax.vmap(lambda seq, idx: jnp.take(seq, idx, mode="clip"))
+    labels = jnp.where(valid, gather(tokens, offsets), 0)  # [N, M, n]
+    return Blocks(
+        anchors=anchors.reshape(-1),
+        tokens=gather(tokens, anchors).reshape(-1),
+        labels=labels.reshape(num_seqs * num_anchors, n),
+        valid=valid.reshape(num_seqs * num_anchors, n),
+    )
+
+
+def target_features(
+    target: Transformer, target_params, tokens: jax.Array, tap_layers: tuple[int, ...]
+) -> jax.Array:
+    """The drafter's context features: the target's hidden states after `tap_layers`, concatenated.
+
+    Args:
+      target: the target module.
+      target_params: its (frozen) parameters.
+      tokens: [N, S] int32 sequences (a causal forward over an empty cache, as prefill runs).
+      tap_layers: the drafter's target_layer_ids.
+
+    Returns:
+      [N, S, K * D] features in the target's dtype.
+    """
+    num_seqs, max_len = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (num_seqs, max_len))
+    # The barrier hides the empty cache from XLA, which would otherwise constant-fold its (all-masked)
+    # [N, heads, S, S] attention scores: minutes of compilation at S = 384.
+    cache = jax.lax.optimization_barrier(KVCache.init(target.config, num_seqs, max_len, target.dtype))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((max_len, max_len), jnp.bool_)), (num_seqs, max_len, max_len))
+    _, _, taps = target.apply(target_params, tokens, positions, cache, causal, tap_layers)
+    return jax.lax.stop_gradient(jnp.concatenate(taps, axis=-1))
+
+
+def block_hidden(proposer: DFlashProposer, params, target_params, features: jax.Array, blocks: Blocks):
+    """The drafter's hidden states of every block, through the decoding forward.
+
+    Args:
+      proposer: the DFlash proposer (its block size is B).
+      params: drafter parameters (trained).
+      target_params: target parameters (embedding rows; frozen).
+      features: [N, S, K * D] target features of the sequences.
+      blocks: R = N * M rows.
+
+    Returns:
+      [R, B, D] hidden states; position k predicts blocks.labels[:, k - 1].
+    """
+    num_seqs, max_len, _ = features.shape
+    rows_per_seq = blocks.anchors.shape[0] // num_seqs
+    positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (num_seqs, max_len))
+    ks, vs = proposer.module.apply(params, features, positions, method=DFlashDrafter.context_kv)
+
+    def per_row(x):  # [N, S, K, H] -> [R, S, K, H]: each sequence's context shared by its M rows
+        return jnp.repeat(x, rows_per_seq, axis=0)
+
+    context = KVCache(k=tuple(map(per_row, ks)), v=tuple(map(per_row, vs)), lengths=blocks.anchors)
+    return proposer.draft_hidden(params, target_params, blocks.tokens, blocks.anchors, context)
+
+
+def token_scores(
+    target: Transformer, target_params, hidden: jax.Array, labels: jax.Array, chunk_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """Cross-entropy and greedy correctness of the drafted positions, `chunk_rows` rows of logits at a time.
+
+    Each chunk's [chunk_rows, n, V] logits are recomputed in the backward pass instead of stored, so the
+    LM head's memory is one chunk's, not R rows'.
+
+    Args:
+      target: the target module (its LM head).
+      target_params: its frozen parameters.
+      hidden: [R, B, D] drafter hidden states.
+      labels: [R, n] int32.
+      chunk_rows: rows per LM-head chunk.
+
+    Returns:
+      (ce [R, n] float32, correct [R, n] bool: argmax == label).
+    """
+    rows, n = labels.shape
+    chunks = -(-rows // chunk_rows)
+    pad = chunks * chunk_rows - rows
+    h = jnp.pad(hidden[:, 1:], ((0, pad), (0, 0), (0, 0))).reshape(chunks, chunk_rows, n, -1)
+    y = jnp.pad(labels, ((0, pad), (0, 0))).reshape(chunks, chunk_rows, n)
+
+    @jax.checkpoint
+    def score(args):
+        h_c, y_c = args  # [C, n, D], [C, n]
+        logits = target.apply(target_params, h_c, method=Transformer.logits)  # [C, n, V] float32
+        picked = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]  # [C, n]
+        ce = jax.nn.logsumexp(logits, axis=-1) - picked
+        return ce, jnp.argmax(logits, axis=-1) == y_c
+
+    ce, correct = jax.lax.map(score, (h, y))  # [chunks, C, n] each
+    return ce.reshape(-1, n)[:rows], correct.reshape(-1, n)[:rows]
+
+
+@struct.dataclass
+class BlockStats:
+    """Summable counts of a batch's blocks, per drafted position k = 1..n (each [n] float32).
+
+    Attributes:
+      correct: blocks whose draft k is right (among those where k is valid).
+      valid: blocks where k lies inside the sequence.
+      accepted: blocks whose drafts 1..k are all right (k valid): greedy verification accepts k drafts.
+      reached: blocks whose drafts 1..k-1 are all right (k valid): verification reaches draft k.
+    """
+
+    correct: jax.Array
+    valid: jax.Array
+    accepted: jax.Array
+    reached: jax.Array
+
+    def __add__(self, other: BlockStats) -> BlockStats:
+        return jax.tree.map(jnp.add, self, other)
+
+
+def block_stats(correct: jax.Array, valid: jax.Array) -> BlockStats:
+    """Counts from per-block correctness [R, n] and validity [R, n] (both bool)."""
+    prefix = jnp.cumprod(correct, axis=1).astype(jnp.bool_)  # [R, n] drafts 1..k all right
+    before = jnp.concatenate([jnp.ones_like(prefix[:, :1]), prefix[:, :-1]], axis=1)  # drafts 1..k-1
+    count = lambda x: jnp.sum(x & valid, axis=0, dtype=jnp.float32)
+    return BlockStats(count(correct), count(valid), count(prefix), count(before))
+
+
+def position_accuracy(stats: BlockStats) -> jax.Array:
+    """[n] fraction of valid blocks whose draft k is right (each position on its own)."""
+    return stats.correct / jnp.maximum(stats.valid, 1.0)
+
+
+def acceptance(stats: BlockStats) -> tuple[jax.Array, jax.Array]:
+    """Greedy-verification acceptance per position and the estimated tau.
+
+    acc_k = P(draft k right | drafts 1..k-1 right) and tau = 1 + sum_k prod_{j <= k} acc_j: the mean
+    tokens committed per verify step (the bonus token included) if every block were drafted like these.
+
+    Returns:
+      (acc [n], tau []).
+    """
+    acc = stats.accepted / jnp.maximum(stats.reached, 1.0)  # [n]
+    return acc, 1.0 + jnp.sum(jnp.cumprod(acc))
+
+
+def dflash_loss(
+    proposer: DFlashProposer,
+    params,
+    target_params,
+    features: jax.Array,
+    blocks: Blocks,
+    weights: jax.Array,
+    chunk_rows: int,
+) -> tuple[jax.Array, BlockStats]:
+    """The weighted block cross-entropy of a batch.
+
+    Args:
+      proposer: the DFlash proposer (drafter and target modules, block size B).
+      params: drafter parameters (differentiated).
+      target_params: target parameters (frozen: gradients stop here).
+      features: [N, S, K * D] target features.
+      blocks: the batch's blocks (R = N * M rows).
+      weights: [n] position weights.
+      chunk_rows: LM-head rows per chunk.
+
+    Returns:
+      (loss: sum_k w_k * ce * valid / sum_k w_k * valid, the batch's BlockStats).
+    """
+    target_params = jax.lax.stop_gradient(target_params)
+    hidden = block_hidden(proposer, params, target_params, features, blocks)  # [R, B, D]
+    ce, correct = token_scores(proposer.target, target_params, hidden, blocks.labels, chunk_rows)  # [R, n]
+    w = weights[None, :] * blocks.valid  # [R, n]
+    loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-9)
+    return loss, block_stats(correct, blocks.valid)

@@ -1,0 +1,209 @@
+"""Drafter training data: ShareGPT recovery and splitting, make_data shards, resume, and the reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import dflax
+from dflax.cli import app
+from dflax.generation import encode_prompt
+from dflax.prompts import PromptRecord, mtbench_prompts
+from dflax.train import make_data as make_data_module
+from dflax.train.dataset import load_sequences, read_manifest
+from dflax.train.make_data import DataConfig, make_data, row_seed
+from dflax.train.sharegpt import benchmark_texts, build_prompts, iter_records, normalize, split_of
+
+RECIPE = Path(__file__).parents[2] / "configs/data/smollm2-sharegpt.json"
+
+
+def conversation(rid, *turns):
+    return {"id": rid, "conversations": [{"from": who, "value": text} for who, text in turns]}
+
+
+MTBENCH_FIRST = mtbench_prompts()[0].prompt[0]["content"]
+RECORDS = [
+    conversation("a_0", ("human", "Tell me  a joke."), ("gpt", "No."), ("human", "Another one")),
+    conversation("b_1", ("gpt", "...continued"), ("human", "  Summarise\nthat. ")),
+    conversation("c_0", ("human", "Tell me a joke. "), ("gpt", "Again no.")),  # a duplicate once normalised
+    conversation("d_0", ("human", "   "), ("gpt", "?")),  # empty first turn
+    conversation("e_0", ("gpt", "only the model speaks")),
+    conversation("f_0", ("human", "Please answer:\n" + MTBENCH_FIRST.replace(" ", "  "))),  # benchmark
+    conversation("g_0", ("system", "be brief"), ("user", "What is JAX?")),
+]
+
+
+def truncated_json(records):
+    full = json.dumps(records, indent=2)
+    cut = json.dumps(records + [conversation("torn", ("human", "this record is cut off"))], indent=2)
+    return cut[: len(full) + 60]  # every complete record, then the start of a torn one
+
+
+def test_sharegpt_recovery_dedupe_benchmarks_and_split():
+    text = truncated_json(RECORDS)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    assert [r["id"] for r in iter_records(text)] == [r["id"] for r in RECORDS]
+
+    prompts = build_prompts(iter_records(text), 0.0, benchmark_texts())
+    assert prompts.counts == {
+        "records": 7, "with_user_turn": 5, "unique": 4, "benchmark": 1, "train": 3, "validation": 0,
+    }  # fmt: skip
+    assert [(r.id, r.prompt) for r in prompts.train] == [
+        ("a_0", [{"role": "user", "content": "Tell me  a joke."}]),
+        ("b_1", [{"role": "user", "content": "Summarise\nthat."}]),
+        ("g_0", [{"role": "user", "content": "What is JAX?"}]),
+    ]
+
+
+def test_split_is_deterministic_disjoint_and_near_the_fraction():
+    records = [conversation(f"r{i}", ("human", f"question number {i}")) for i in range(2000)]
+    first = build_prompts(records, 0.1, [])
+    again = build_prompts(reversed(records), 0.1, [])
+    train, valid = {r.id for r in first.train}, {r.id for r in first.validation}
+    assert not train & valid and len(train | valid) == 2000
+    assert {r.id for r in again.validation} == valid
+    assert 150 <= len(valid) <= 250, len(valid)
+    assert all(split_of(normalize(f"question number {i}"), 0.1) == "validation" for i in map(_index, valid))
+    assert split_of("question  number 3\n", 0.1) == split_of("question number 3", 0.1)
+
+
+def _index(rid: str) -> int:
+    return int(rid[1:])
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_checkpoint):
+    return dflax.load_target(str(tiny_checkpoint("llama")[0]))
+
+
+def tiny_config(target, **overrides):
+    values = dict(target=target.name, max_prompt_tokens=12, max_new_tokens=6, shard_size=4, batch_size=2)
+    return DataConfig(**{**values, **overrides})
+
+
+def tiny_prompt(i: int, words: int) -> PromptRecord:
+    text = " ".join(f"w{3 + (i * 7 + j) % 250}" for j in range(words))
+    return PromptRecord(f"p{i}", [{"role": "user", "content": text}])
+
+
+# Ten prompts that fit max_prompt_tokens=12 (the template adds "user:") and one that does not.
+TINY_PROMPTS = [tiny_prompt(i, 1 + i) for i in range(10)] + [tiny_prompt(10, 20)]
+
+
+class CountingGenerate:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return dflax.generate(*args, **kwargs)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    counter = CountingGenerate()
+    monkeypatch.setattr(make_data_module, "generate", counter)
+    return counter
+
+
+def run(target, out, **kwargs):
+    config = kwargs.pop("config", tiny_config(target))
+    return make_data(config, out, target=target, prompts=TINY_PROMPTS, **kwargs)
+
+
+def test_make_data_writes_what_the_target_generates(tmp_path, tiny_target, counting):
+    config = tiny_config(tiny_target)
+    summary = run(tiny_target, tmp_path, config=config)
+    assert (summary.shards_written, summary.shards_kept, summary.sequences, counting.calls) == (3, 0, 10, 3)
+
+    manifest = read_manifest(tmp_path)
+    entry = manifest["splits"]["train"]
+    assert manifest["target"] == tiny_target.name and manifest["config"]["temperature"] == 0.2
+    assert [s["file"] for s in entry["shards"]] == ["train-00000.npz", "train-00001.npz", "train-00002.npz"]
+    assert (entry["planned"], entry["too_long"], entry["sequences"], entry["complete"]) == (10, 1, 10, True)
+
+    sequences = load_sequences(tmp_path, "train")
+    assert len(sequences) == 10 and entry["response_tokens"] == summary.new_tokens
+    by_prompt = {}
+    for ids, prompt_len in sequences:
+        assert ids.dtype == np.int32 and 1 <= len(ids) - prompt_len <= config.max_new_tokens
+        by_prompt[tuple(ids[:prompt_len].tolist())] = ids[prompt_len:].tolist()
+    # The same prompts batched differently (file order, not shards sorted by length) give the same tokens.
+    records = TINY_PROMPTS[:10]
+    direct = dflax.generate(
+        tiny_target, [r.prompt for r in records], max_new_tokens=6, temperature=0.2, top_p=0.9,
+        row_seeds=[row_seed(config.seed, r.id) for r in records], batch_size=2,
+    )  # fmt: skip
+    for record, result in zip(records, direct):
+        assert by_prompt[tuple(encode_prompt(tiny_target, record.prompt))] == result.tokens, record.id
+
+
+def test_rerun_resumes_and_interrupted_shard_is_redone(tmp_path, tiny_target, counting):
+    run(tiny_target, tmp_path)
+    before = load_sequences(tmp_path, "train")
+    mtimes = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.npz")}
+
+    calls = counting.calls
+    summary = run(tiny_target, tmp_path, batch_size=3)  # batch size may change on a resume
+    assert (summary.shards_written, summary.shards_kept, counting.calls) == (0, 3, calls)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.npz")} == mtimes
+
+    # A crash while writing shard 1: its temp file is left, the final file never appeared.
+    (tmp_path / "train-00001.npz").unlink()
+    (tmp_path / "train-00001.npz.tmp").write_bytes(b"PK\x03\x04 half a zip")
+    summary = run(tiny_target, tmp_path)
+    assert (summary.shards_written, summary.shards_kept, counting.calls) == (1, 2, calls + 1)
+    assert not list(tmp_path.glob("*.tmp"))
+    after = load_sequences(tmp_path, "train")
+    assert [(a.tolist(), p) for a, p in after] == [(a.tolist(), p) for a, p in before]
+
+
+def test_limit_then_full_keeps_the_full_shards(tmp_path, tiny_target):
+    run(tiny_target, tmp_path / "limited", limit=6)
+    assert [s["sequences"] for s in read_manifest(tmp_path / "limited")["splits"]["train"]["shards"]] == [
+        4,
+        2,
+    ]
+    summary = run(tiny_target, tmp_path / "limited")
+    assert (summary.shards_written, summary.shards_kept) == (2, 1)  # the partial shard is redone
+    run(tiny_target, tmp_path / "full")
+    limited, full = (load_sequences(tmp_path / d, "train") for d in ("limited", "full"))
+    assert [(a.tolist(), p) for a, p in limited] == [(a.tolist(), p) for a, p in full]
+
+
+def test_other_settings_refuse_to_mix(tmp_path, tiny_target):
+    run(tiny_target, tmp_path, limit=2)
+    with pytest.raises(ValueError, match="max_new_tokens: 6"):
+        run(tiny_target, tmp_path, config=tiny_config(tiny_target, max_new_tokens=5))
+    with pytest.raises(ValueError, match="exceeds the target's 512-token context"):
+        run(tiny_target, tmp_path / "new", config=tiny_config(tiny_target, max_prompt_tokens=510))
+
+
+def test_recipe_file_and_its_validation(tmp_path):
+    config = DataConfig.from_json(RECIPE)
+    assert (config.target, config.temperature, config.top_p, config.max_new_tokens) == (
+        "smollm2-135m", 0.2, 0.9, 256,
+    )  # fmt: skip
+    (tmp_path / "bad.json").write_text(json.dumps({"max_new_token": 5}))
+    with pytest.raises(ValueError, match="unknown keys \\['max_new_token'\\]"):
+        DataConfig.from_json(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="top_p must be in"):
+        DataConfig(top_p=0.0)
+
+
+def test_cli_make_data_on_sharegpt(tmp_path, tiny_target):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"target": tiny_target.name, "max_prompt_tokens": 256, "max_new_tokens": 4}))
+    out = tmp_path / "data"
+    args = ["make-data", "--config", str(recipe), "--out", str(out), "--limit", "3", "--split", "validation"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "1 shard(s) written, 0 kept; 3 sequences" in " ".join(result.output.split())
+    assert len(load_sequences(out, "validation")) == 3
+    with pytest.raises(FileNotFoundError, match="no 'train' data"):
+        load_sequences(out, "train")

@@ -1,0 +1,310 @@
+"""The DFlash objective and trainer on a tiny target: masks, loss weights, overfitting, exact resume, export.
+
+The overfit run trains on the tiny target's own greedy continuations, validates on held-out ones and
+exports a drafter, which must then decode losslessly and faster (tau > 1) through `dflax.generate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import signal
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rich.console import Console
+from rich.progress import Progress
+from typer.testing import CliRunner
+
+import dflax
+from dflax.cli import app
+from dflax.drafters import load_drafter
+from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, init_drafter_params
+from dflax.generation import encode_prompt
+from dflax.models.transformer import Transformer
+from dflax.train import objective
+from dflax.train.dataset import write_shard
+from dflax.train.features import cache_features
+from dflax.train.trainer import TrainConfig, batch_index, pad_sequences, train
+
+RECIPE = Path(__file__).parents[2] / "configs/train/dflash-smollm2.json"
+QUIET = Console(quiet=True)
+TINY = TrainConfig(
+    target="tiny",
+    num_layers=2,
+    block_size=8,
+    anchors_per_seq=16,
+    max_seq_len=64,
+    batch_size=4,
+    logits_chunk=16,
+    lr=3e-3,
+    warmup_frac=0.05,
+    steps=300,
+    checkpoint_every=100,
+    validate_every=150,
+    log_every=25,
+    export_dtype="bfloat16",
+)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint):
+    return dflax.load_target(str(tiny_checkpoint("qwen3")[0]))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [" ".join(f"w{t}" for t in rng.integers(3, 256, rng.integers(4, 12))) for _ in range(48)]
+
+
+@pytest.fixture(scope="module")
+def sequences(target, prompts):
+    """48 (ids, prompt_len) pairs: random prompts + the target's greedy continuation (40 tokens)."""
+    results = dflax.generate(target, prompts, max_new_tokens=40, temperature=0.0, batch_size=16)
+    seqs = []
+    for prompt, result in zip(prompts, results):
+        ids = encode_prompt(target, prompt)
+        seqs.append((np.asarray(ids + result.tokens, np.int32), len(ids)))
+    return seqs
+
+
+def tiny_proposer(target, block_size=8, num_layers=2):
+    config = dataclasses.replace(TINY, block_size=block_size, num_layers=num_layers).drafter_config(target)
+    module = DFlashDrafter(config, jnp.float32, "reference")
+    return DFlashProposer(module, target.module, block_size), init_drafter_params(module, seed=1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _block_logits(proposer, params, target_params, features, blocks):
+    hidden = objective.block_hidden(proposer, params, target_params, features, blocks)  # [R, B, D]
+    return proposer.target.apply(target_params, hidden[:, 1:], method=Transformer.logits)  # [R, n, V]
+
+
+def block_logits(proposer, params, target, features, blocks):
+    return np.asarray(_block_logits(proposer, params, target.params, features, blocks))
+
+
+features_of = jax.jit(objective.target_features, static_argnums=(0, 3))
+loss_of = jax.jit(objective.dflash_loss, static_argnums=(0, 6))
+
+
+def test_block_sees_only_context_before_its_anchor_and_no_other_block(target):
+    proposer, params = tiny_proposer(target)
+    s, n = 40, 7
+    width = len(proposer.tap_layers) * target.config.hidden_size
+    features = jax.random.normal(jax.random.key(0), (1, s, width))  # one sequence, [1, S, K * D]
+    anchors = jnp.asarray([10, 25, 3], jnp.int32)
+    blocks = objective.Blocks(
+        anchors=anchors,
+        tokens=jnp.asarray([17, 99, 5], jnp.int32),
+        labels=jnp.zeros((3, n), jnp.int32),
+        valid=jnp.ones((3, n), bool),
+    )
+    base = block_logits(proposer, params, target, features, blocks)  # [3, n, V]
+
+    def perturbed(position):
+        return block_logits(proposer, params, target, features.at[0, position].add(1.0), blocks)
+
+    for position in (10, 11, 30, 39):  # at or after anchor 10: row 0 must not change
+        np.testing.assert_array_equal(perturbed(position)[0], base[0])
+    for position in (0, 9):  # before the anchor: row 0 changes
+        assert np.abs(perturbed(position)[0] - base[0]).max() > 1e-3
+    changed = perturbed(20)  # between anchors 10 and 25: only the block at 25 sees it
+    np.testing.assert_array_equal(changed[[0, 2]], base[[0, 2]])
+    assert np.abs(changed[1] - base[1]).max() > 1e-3
+    # Another block's anchor token and position leave row 0 alone.
+    other = blocks.replace(anchors=anchors.at[1].set(33), tokens=blocks.tokens.at[1].set(200).at[2].set(201))
+    np.testing.assert_array_equal(block_logits(proposer, params, target, features, other)[0], base[0])
+
+
+def test_position_weights_and_paper_gamma():
+    np.testing.assert_allclose(objective.position_weights(16, 7.0), np.exp(-np.arange(15) / 7.0), rtol=1e-6)
+    assert [objective.default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    with pytest.raises(ValueError, match="gamma"):
+        objective.default_gamma(12)
+    assert TrainConfig(block_size=12, gamma=6.0).loss_gamma == 6.0
+
+
+def test_anchors_lie_in_the_response_distinct_and_deterministic():
+    key = jax.random.key(3)
+    anchors, used = objective.sample_anchors(key, jnp.int32(5), jnp.int32(30), 64, 16)
+    assert used.all() and len(set(anchors.tolist())) == 16
+    assert anchors.min() >= 5 and anchors.max() <= 28  # the last anchor still has a token after it
+    again, _ = objective.sample_anchors(key, jnp.int32(5), jnp.int32(30), 64, 16)
+    np.testing.assert_array_equal(anchors, again)
+    few, used = objective.sample_anchors(key, jnp.int32(5), jnp.int32(9), 64, 16)  # 3 candidates
+    assert sorted(few[used].tolist()) == [5, 6, 7] and used.sum() == 3
+
+
+def test_loss_weights_and_masking_beyond_the_sequence_end(target):
+    proposer, params = tiny_proposer(target)
+    n, s = 7, 32
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(3, 256, (2, s)).astype(np.int32)
+    prompt_lens, lengths = jnp.asarray([4, 6], jnp.int32), jnp.asarray([20, 32], jnp.int32)
+    blocks = objective.make_blocks(jax.random.key(0), jnp.asarray(tokens), prompt_lens, lengths, 8, n)
+    anchors = np.asarray(blocks.anchors).reshape(2, 8)
+    expected_valid = (anchors[:, :, None] + np.arange(1, n + 1)) < np.asarray(lengths)[:, None, None]
+    np.testing.assert_array_equal(blocks.valid, expected_valid.reshape(16, n))
+    assert not expected_valid.all()  # some blocks run past the end of sequence 0
+    for r, a in enumerate(blocks.anchors.tolist()):  # labels: position k predicts token a + k, no shift
+        k = np.flatnonzero(blocks.valid[r])
+        np.testing.assert_array_equal(blocks.labels[r, k], tokens[r // 8, a + 1 + k])
+
+    features = features_of(target.module, target.params, jnp.asarray(tokens), proposer.tap_layers)
+    weights = objective.position_weights(8, 4.0)
+    loss, stats = loss_of(proposer, params, target.params, features, blocks, weights, 5)  # 4 chunks, padded
+    logits = block_logits(proposer, params, target, features, blocks)
+    ce = (
+        jax.nn.logsumexp(logits, -1)
+        - np.take_along_axis(logits, np.asarray(blocks.labels)[..., None], -1)[..., 0]
+    )
+    w = np.asarray(weights)[None] * np.asarray(blocks.valid)
+    np.testing.assert_allclose(loss, (w * ce).sum() / w.sum(), rtol=1e-5)
+    np.testing.assert_array_equal(stats.valid, np.asarray(blocks.valid).sum(0))
+
+    # Tokens past a sequence's end change neither the labels nor the loss (features are causal).
+    tail = tokens.copy()
+    tail[0, 20:] = 7
+    features_t = features_of(target.module, target.params, jnp.asarray(tail), proposer.tap_layers)
+    blocks_t = objective.make_blocks(jax.random.key(0), jnp.asarray(tail), prompt_lens, lengths, 8, n)
+    loss_t, _ = loss_of(proposer, params, target.params, features_t, blocks_t, weights, 5)
+    np.testing.assert_allclose(loss_t, loss, rtol=1e-6)
+
+
+def test_acceptance_is_the_cumulative_product_of_conditional_accuracy():
+    correct = jnp.asarray([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], bool)
+    valid = jnp.asarray([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], bool)
+    stats = objective.block_stats(correct, valid)
+    np.testing.assert_allclose(objective.position_accuracy(stats), [3 / 4, 3 / 4, 2 / 3])
+    acc, tau = objective.acceptance(stats)
+    # draft 1 right in 3 of 4; draft 2 right in 2 of the 3 that reached it; draft 3: 0 of the 1 valid one
+    np.testing.assert_allclose(acc, [3 / 4, 2 / 3, 0.0])
+    np.testing.assert_allclose(tau, 1 + 3 / 4 + 3 / 4 * 2 / 3)
+
+
+def test_data_order_is_a_permutation_per_epoch():
+    epoch0 = np.concatenate([batch_index(10, 3, 0, s) for s in range(3)])
+    epoch1 = np.concatenate([batch_index(10, 3, 0, s) for s in range(3, 6)])
+    assert len(set(epoch0)) == 9 and len(set(epoch1)) == 9 and list(epoch0) != list(epoch1)
+    seqs = [(np.arange(10), 9), (np.arange(10), 3), (np.arange(90), 3)]
+    padded = pad_sequences(seqs, 16)  # the first has no response token with another after it
+    np.testing.assert_array_equal(padded.lengths, [10, 16])
+    np.testing.assert_array_equal(padded.prompt_lens, [3, 3])
+
+
+@pytest.fixture(scope="module")
+def overfit(target, sequences, tmp_path_factory):
+    out = tmp_path_factory.mktemp("overfit")
+    return train(TINY, target, sequences[:32], sequences[32:], out, console=QUIET)
+
+
+def test_overfits_own_generations_and_tau_rises(overfit):
+    train_log = [e for e in overfit.log if "loss" in e]
+    val_log = [e for e in overfit.log if "val_tau" in e]
+    first, last = train_log[0], train_log[-1]
+    print(f"train loss {first['loss']:.3f} -> {last['loss']:.3f}, acc {first['acc']} -> {last['acc']}")
+    print(f"validation: {val_log}")
+    assert overfit.step == overfit.total_steps == 300 and overfit.interrupted is None
+    assert last["loss"] < 0.5 * first["loss"]
+    assert val_log[-1]["val_tau"] > 1.5
+
+
+def test_exported_drafter_decodes_losslessly(target, prompts, overfit):
+    drafter = load_drafter(overfit.drafter_dir, target)
+    assert drafter.config.block_size == 8
+    held_out = prompts[32:40]
+    plain = dflax.generate(target, held_out, max_new_tokens=32, batch_size=8)
+    spec = dflax.generate(target, held_out, max_new_tokens=32, batch_size=8, drafter=drafter)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    taus = [r.stats["tau"] for r in spec]
+    print(f"decode tau with the trained drafter: mean {np.mean(taus):.2f}")
+    assert np.mean(taus) > 1.5
+
+
+def test_resume_after_sigterm_equals_the_uninterrupted_run(target, sequences, overfit, tmp_path):
+    """Stopped by SIGTERM at step 150 (between the checkpoints at 100 and 200), resumed to 300."""
+
+    def interrupt(step):
+        if step == 150:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    part = train(TINY, target, sequences[:32], sequences[32:], tmp_path, console=QUIET, on_step=interrupt)
+    assert part.interrupted == signal.SIGTERM and part.step == 150 and part.drafter_dir is None
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is removed again
+    resumed = train(TINY, target, sequences[:32], sequences[32:], tmp_path, console=QUIET)
+    assert resumed.step == 300 and resumed.interrupted is None
+    assert [e["step"] for e in resumed.log][0] > 150  # it did not start over
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, overfit.params)
+
+
+def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
+    recipe = TrainConfig.from_json(RECIPE)
+    assert (recipe.num_layers, recipe.block_size, recipe.loss_gamma, recipe.lr) == (3, 16, 7.0, 6e-4)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"block_size": 16, "lerning_rate": 1e-3}))
+    with pytest.raises(ValueError, match="lerning_rate"):
+        TrainConfig.from_json(bad)
+
+
+def test_cli_trains_exports_and_resumes(target, tiny_checkpoint, sequences, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    splits = {"train": sequences[:8], "validation": sequences[8:12]}
+    for split, seqs in splits.items():
+        write_shard(
+            data / f"{split}-00000.npz",
+            [(ids.tolist(), p) for ids, p in seqs],
+            [str(i) for i in range(len(seqs))],
+        )
+    manifest = {"splits": {split: {"shards": [{"file": f"{split}-00000.npz"}]} for split in splits}}
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    config = dataclasses.replace(
+        TINY, target=str(tiny_checkpoint("qwen3")[0]), max_seq_len=32, steps=None, epochs=1
+    )
+    (tmp_path / "recipe.json").write_text(json.dumps(config.to_dict()))
+    args = [
+        "train",
+        "--config",
+        str(tmp_path / "recipe.json"),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "run"),
+    ]
+
+    result = CliRunner().invoke(app, [*args, "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert "8 training sequences" in result.output and "4 validation" in " ".join(result.output.split())
+    assert load_drafter(tmp_path / "run/drafter", target).config.block_size == 8
+    assert json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
+    again = CliRunner().invoke(app, [*args, "--steps", "3"])
+    assert again.exit_code == 0 and "at step 3 of 3" in " ".join(again.output.split())
+    other = CliRunner().invoke(app, [*args, "--steps", "5"])
+    assert other.exit_code == 2 and "--no-resume" in other.output
+
+
+def test_feature_cache_resumes_an_interrupted_fill_and_rebuilds_for_other_data(target, tmp_path):
+    width = 3 * target.config.hidden_size  # the tiny target taps its 3 layers
+
+    def compute(params, tokens):  # [4, S] -> [4, S, width] bf16: a stand-in for the target forward
+        return jnp.broadcast_to(jnp.asarray(tokens, jnp.bfloat16)[..., None], (*tokens.shape, width))
+
+    tokens = np.arange(10 * 6, dtype=np.int32).reshape(10, 6)
+    calls = []
+    fill = functools.partial(
+        cache_features, target=target, taps=(0, 1, 2), compute=compute, batch_size=4, progress=Progress()
+    )
+    assert fill(tmp_path / "f.npy", tokens, should_stop=lambda: calls.append(1) or len(calls) > 1) is None
+    assert json.loads((tmp_path / "f.json").read_text())["done"] == 4  # one batch, then stopped
+    cached = fill(tmp_path / "f.npy", tokens, should_stop=lambda: False)
+    np.testing.assert_array_equal(cached.view(jnp.bfloat16), np.asarray(compute(None, tokens)))
+    other = fill(tmp_path / "f.npy", tokens + 1, should_stop=lambda: False)
+    np.testing.assert_array_equal(other.view(jnp.bfloat16), np.asarray(compute(None, tokens + 1)))
