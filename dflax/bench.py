@@ -38,8 +38,9 @@ def _run_dflax(
 ):
     sampling = SamplingParams.make(temperature)
     batches = _batches(list(range(len(prompt_ids))), batch_size)
-    for idx in batches:  # compile every shape first
-        generate_ids(
+
+    def run(idx, warmup=False):
+        return generate_ids(
             target,
             [prompt_ids[i] for i in idx],
             max_new_tokens=max_new_tokens,
@@ -47,19 +48,14 @@ def _run_dflax(
             row_seeds=[seed + i for i in idx],
             batch_size=batch_size,
             drafter=drafter,
-            warmup=True,
+            warmup=warmup,
         )
+
+    for idx in batches:  # compile every shape first
+        run(idx, warmup=True)
     tokens, per_batch = [None] * len(prompt_ids), []
     for idx in batches:
-        results = generate_ids(
-            target,
-            [prompt_ids[i] for i in idx],
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            row_seeds=[seed + i for i in idx],
-            batch_size=batch_size,
-            drafter=drafter,
-        )
+        results = run(idx)
         for i, r in zip(idx, results):
             tokens[i] = r.tokens
         per_batch.append(
