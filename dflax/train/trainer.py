@@ -8,13 +8,14 @@ AdamW, warmup (4%) + cosine schedule to 0, global-norm clipping 1.0 (the paper's
 Target features are precomputed once per sequence by a frozen target forward and cached on disk
 (`dflax.train.features`: `out_dir/features/{train,validation}.npy`, bf16, memory-mapped, filled resumably
 before the first step). Measured on SmolLM2-135M (30 layers, d 576; 3-layer drafter, 5 target layers),
-4 sequences x 384 tokens, 32 anchors each, B = 16, float32 on a 2-core CPU:
-  target forward inside the step     11.6 s/step (133 tokens/s)
-  cached features                     6.8 s/step + 13 ms to read them (225 tokens/s)
-  filling the cache                   3.9 s per batch of sequences, once
-So caching wins already in the first epoch (10.7 s vs 11.6 s per batch) and is 1.56x faster over the
-recipe's 6 epochs (45 s vs 69 s per batch). The price is disk: K * D * 2 bytes per token (5.8 kB for
-SmolLM2, 2.2 MB per 384-token sequence, ~38 GB for 17k sequences).
+4 sequences x S tokens per step, 32 anchors each, B = 16, float32 on a shared 2-core CPU (best of 3):
+                                         S = 384              S = 512
+  target forward inside the step         11.6 s/step          10.3 s/step
+  step on cached features                6.8 s + 13 ms read   4.2 s + 9 ms read
+  filling the cache (once per batch)     3.9 s                6.2 s
+Per batch of sequences over the recipe's 6 epochs that is 69 s vs 45 s (S = 384) and 62 s vs 31 s
+(S = 512): caching is 1.5-2x faster and breaks even within the first epoch. The price is disk,
+K * D * 2 bytes per real token (5.8 kB for SmolLM2: ~1.7 MB per 300-token sequence, ~30 GB for 17k).
 
 Resuming is exact: the batch of step s is a pure function of (seed, s) (one permutation of the training
 sequences per epoch), the anchors come from the PRNG key carried in the state, and orbax checkpoints hold
@@ -48,7 +49,7 @@ from dflax.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, i
 from dflax.models.transformer import Transformer
 from dflax.target import Target
 from dflax.train import objective
-from dflax.train.features import cache_features
+from dflax.train.features import FeatureCache, cache_features
 
 # The fields that fix the data order and the anchors: a checkpoint only resumes a run that shares them.
 _ORDER_FIELDS = ("seed", "batch_size", "max_seq_len", "anchors_per_seq", "block_size")
@@ -178,12 +179,8 @@ class PaddedSequences:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def take(self, index: np.ndarray, features: np.ndarray) -> dict:
+    def take(self, index: np.ndarray, features: FeatureCache) -> dict:
         """The batch of rows `index` (-1 = an empty padding row) with its cached features.
-
-        Args:
-          index: [N] row numbers.
-          features: [len(self), S, K * D] uint16 (bf16 bits) feature cache of these sequences.
 
         Returns:
           {"tokens" [N, S], "prompt_lens" [N], "lengths" [N], "features" [N, S, K * D] bf16} arrays.
@@ -194,7 +191,7 @@ class PaddedSequences:
             "tokens": np.where(empty[:, None], 0, self.tokens[rows]),
             "prompt_lens": self.prompt_lens[rows],
             "lengths": np.where(empty, 0, self.lengths[rows]).astype(np.int32),
-            "features": features[rows].view(jnp.bfloat16),
+            "features": features.batch(index, self.tokens.shape[1]),
         }
 
 
@@ -536,8 +533,8 @@ def train(
             should_stop=lambda: stop.signum is not None,
         )
         cache_dir = Path(config.feature_cache_dir) if config.feature_cache_dir else out_dir / "features"
-        features = fill(cache_dir / "train.npy", data.tokens)
-        val_features = fill(cache_dir / "validation.npy", val.tokens) if len(val) else None
+        features = fill(cache_dir / "train.npy", data.tokens, data.lengths)
+        val_features = fill(cache_dir / "validation.npy", val.tokens, val.lengths) if len(val) else None
         task = progress.add_task(
             "training", total=total_steps, completed=step, info="compiling ..." if step < total_steps else ""
         )

@@ -298,13 +298,20 @@ def test_feature_cache_resumes_an_interrupted_fill_and_rebuilds_for_other_data(t
         return jnp.broadcast_to(jnp.asarray(tokens, jnp.bfloat16)[..., None], (*tokens.shape, width))
 
     tokens = np.arange(10 * 6, dtype=np.int32).reshape(10, 6)
+    lengths = np.asarray([6, 3, 5, 6, 2, 6, 4, 6, 6, 1], np.int32)
+    expected = np.where((np.arange(6) < lengths[:, None])[..., None], np.asarray(compute(None, tokens)), 0)
     calls = []
     fill = functools.partial(
         cache_features, target=target, taps=(0, 1, 2), compute=compute, batch_size=4, progress=Progress()
     )
-    assert fill(tmp_path / "f.npy", tokens, should_stop=lambda: calls.append(1) or len(calls) > 1) is None
+    stop_after_one = lambda: calls.append(1) or len(calls) > 1  # noqa: E731
+    assert fill(tmp_path / "f.npy", tokens, lengths, should_stop=stop_after_one) is None
     assert json.loads((tmp_path / "f.json").read_text())["done"] == 4  # one batch, then stopped
-    cached = fill(tmp_path / "f.npy", tokens, should_stop=lambda: False)
-    np.testing.assert_array_equal(cached.view(jnp.bfloat16), np.asarray(compute(None, tokens)))
-    other = fill(tmp_path / "f.npy", tokens + 1, should_stop=lambda: False)
-    np.testing.assert_array_equal(other.view(jnp.bfloat16), np.asarray(compute(None, tokens + 1)))
+    cache = fill(tmp_path / "f.npy", tokens, lengths, should_stop=lambda: False)
+    assert cache.features.shape == (lengths.sum(), width)  # only real tokens are stored
+    np.testing.assert_array_equal(cache.batch(np.arange(10), 6), expected)
+    np.testing.assert_array_equal(cache.batch(np.asarray([2, -1]), 8)[:, :6], [expected[2], 0 * expected[2]])
+    other = fill(tmp_path / "f.npy", tokens + 1, lengths, should_stop=lambda: False)
+    np.testing.assert_array_equal(
+        other.batch(np.asarray([0]), 6)[0], np.asarray(compute(None, tokens + 1))[0]
+    )
