@@ -50,20 +50,56 @@ class SamplingParams:
         )
 
 
+# Nucleus candidates taken with lax.top_k before falling back to a full sort of the vocabulary (a sort of
+# 49k logits costs ~15 ms per row on a CPU; top-256 costs ~0.2 ms and almost always holds the nucleus).
+_CANDIDATES = 256
+
+
+def _nucleus_count(probs_desc: jax.Array, top_p: jax.Array, k: jax.Array) -> jax.Array:
+    """How many of the descending probabilities [..., m] are kept: those whose mass before is < top_p.
+
+    The most likely token is always kept, so the kept set is the smallest prefix reaching top_p.
+    """
+    mass_before = jnp.cumsum(probs_desc, axis=-1) - probs_desc
+    position = jnp.arange(probs_desc.shape[-1])
+    return jnp.sum((mass_before < top_p) & (position < k), axis=-1, keepdims=True)
+
+
 def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Sets logits outside the top-k / nucleus sets to NEG_INF. scaled: [..., V] float32."""
+    """Sets logits outside the top-k / nucleus sets to NEG_INF. scaled: [..., V] float32.
+
+    The nucleus is found among the top `_CANDIDATES` logits; only when some row's nucleus (or top_k)
+    does not fit in them is the whole vocabulary sorted. Both paths do the same arithmetic on the
+    candidates, so a row's kept set does not depend on which path its batch took.
+    """
     vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [..., V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k - 1, scaled.shape[:-1])[..., None], axis=-1)
-    probs_sorted = jax.nn.softmax(jnp.where(jnp.arange(vocab) < k, sorted_desc, NEG_INF), axis=-1)
-    # Mass strictly before each sorted token: a token is kept while that mass is below top_p, so the
-    # most likely token is always kept and the kept set is the smallest one reaching top_p.
-    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    keep_sorted = (mass_before < top_p) & (jnp.arange(vocab) < k)
-    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1, keepdims=True), 1)
-    threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-    threshold = jnp.maximum(threshold, kth)
+    cap = min(_CANDIDATES, vocab)
+    candidates = jax.lax.top_k(scaled, cap)[0]  # [..., cap] descending
+
+    def threshold_from(sorted_desc):  # [..., m] descending, m >= cap
+        m = sorted_desc.shape[-1]
+        index = jnp.broadcast_to(jnp.minimum(k, m) - 1, scaled.shape[:-1])[..., None]
+        kth = jnp.where(k <= m, jnp.take_along_axis(sorted_desc, index, axis=-1), -jnp.inf)  # [..., 1]
+        log_norm = jax.nn.logsumexp(jnp.where(scaled >= kth, scaled, NEG_INF), axis=-1, keepdims=True)
+        head = jnp.exp(sorted_desc[..., :cap] - log_norm)  # [..., cap]
+        n_keep = _nucleus_count(head, top_p, k)
+        if sorted_desc.shape[-1] > cap:  # the tail continues the head's running mass
+            tail = jnp.exp(sorted_desc[..., cap:] - log_norm)
+            tail_before = jnp.sum(head, axis=-1, keepdims=True) + jnp.cumsum(tail, axis=-1) - tail
+            in_k = jnp.arange(cap, m) < k
+            n_keep = n_keep + jnp.sum((tail_before < top_p) & in_k, axis=-1, keepdims=True)
+        n_keep = jnp.maximum(n_keep, 1)
+        return jnp.maximum(jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1), kth), n_keep
+
+    threshold, n_keep = threshold_from(candidates)
+    fits = ((top_k <= 0) | (k <= cap)) & jnp.all(n_keep < cap)
+    if cap < vocab:
+        threshold = jax.lax.cond(
+            fits,
+            lambda: threshold,
+            lambda: threshold_from(-jnp.sort(-scaled, axis=-1))[0],
+        )
     return jnp.where(scaled >= threshold, scaled, NEG_INF)
 
 
