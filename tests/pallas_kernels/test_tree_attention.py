@@ -135,7 +135,9 @@ def dense_oracle(inputs, *, sm_scale=None, sliding_window=None, logit_soft_cap=N
 @pytest.mark.parametrize(
     "n, cache_lens, max_len, heads, kv_heads, head_dim, tree, window, cap, scale",
     [
-        (1, [5, 40], 40, 8, 2, 16, "chain", None, None, None),  # decode
+        (1, [5, 40], 40, 8, 2, 16, "chain", None, None, None),  # decode (the single-query path)
+        (1, [0, 13, 29], 32, 6, 3, 8, "chain", 7, 2.5, 0.4),  # decode: empty cache, window, cap, GQA 2
+        (1, [3, 31], 31, 4, 1, 16, "chain", None, None, None),  # decode: full cache, MQA
         (7, [0, 17, 33], 33, 6, 2, 8, "random", None, None, None),  # GQA 3, ragged, empty and full cache
         (9, [20, 3], 24, 4, 1, 16, "random", 6, None, None),  # window cuts the cache and the tree
         (6, [12, 30], 32, 4, 4, 8, "chain", None, 2.0, 0.5),  # soft cap, explicit scale
@@ -183,6 +185,12 @@ def test_reference_ignores_stale_slots_and_runs_in_while_loop():
     zero_in = make_inputs(3, n=3, cache_lens=[4, 9], max_len=12, num_heads=4, num_kv_heads=2, head_dim=8,
                           dtype=jnp.float32, tree="random", pad=0.0)  # fmt: skip
     a, b = call(tree_attention_reference, nan_in), call(tree_attention_reference, zero_in)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0, rtol=0)
+    decode = [dict(inp, q=inp["q"][:, :1], k_new=inp["k_new"][:, :1], v_new=inp["v_new"][:, :1],
+                   tree_mask=inp["tree_mask"][:, :1, :1], q_positions=inp["q_positions"][:, :1])
+              for inp in (nan_in, zero_in)]  # fmt: skip
+    a, b = (call(tree_attention_reference, inp) for inp in decode)  # the single-query path
+    assert np.isfinite(np.asarray(a)).all()
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0, rtol=0)
 
     def step(q, cache_len):
