@@ -156,7 +156,7 @@ def run_bench(
     batch_size: int,
     seed: int,
     drafter: str | None = None,
-    block_size: int | None = None,
+    block_sizes: list[int] | None = None,
     draft_sampling: str = "greedy",
     cost_curve: bool = False,
     console=None,
@@ -167,13 +167,14 @@ def run_bench(
       prompts: "humaneval", "mtbench" or a JSONL file.
       target: target name or path.
       methods: subset of BENCH_METHODS; "ar" is dflax plain decoding and the reference for speedups.
+        With several block sizes, "dflash" runs once per size, reported as "dflash-b{B}".
       limit: first N prompts.
       max_new_tokens: budget per prompt.
       temperature: 0 = greedy.
       batch_size: prompts per batch.
       seed: sampling seed.
-      drafter: drafter path (or "untrained") for the dflash method.
-      block_size: DFlash block size (default: the drafter's trained one).
+      drafter: drafter path, "untrained", or None for the drafter shipped for the target.
+      block_sizes: DFlash block sizes to run (default: the drafter's trained one).
       draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       console: optional rich console for progress.
@@ -195,25 +196,24 @@ def run_bench(
         fit_to_context(encode_prompt(loaded, r.prompt), max_new_tokens, context, False, str(r.id))
         for r in records
     ]
-    spec = None
-    if "dflash" in methods:
-        from dflax.drafters import DraftSampling, load_drafter
+    runners, spec, sizes = {}, None, None
+    for method in methods:
+        if method != "dflash":
+            runners[method] = _run_hf if method == "hf" else _run_dflax
+            continue
+        from dflax.drafters import SHIPPED, DraftSampling, load_drafter
 
-        if not drafter:
-            raise ValueError("--method dflash needs --drafter PATH (a DFlash drafter directory)")
-        spec = load_drafter(
-            drafter, loaded, block_size=block_size, draft_sampling=DraftSampling(draft_sampling)
-        )
-    runners = {
-        "ar": _run_dflax,
-        "dflash": functools.partial(_run_dflax, drafter=spec),
-        "hf": _run_hf,
-    }
+        spec = load_drafter(drafter or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
+        sizes = block_sizes or [spec.proposer.block_size]
+        for b in sizes:
+            name = "dflash" if len(sizes) == 1 else f"dflash-b{b}"
+            runners[name] = functools.partial(_run_dflax, drafter=spec.with_block_size(b))
+        spec = spec.with_block_size(sizes[-1])
     outputs, results = {}, []
     with Progress(console=console, disable=console is None) as progress:
-        for method in methods:
+        for method, runner in runners.items():
             task = progress.add_task(method, total=len(prompt_ids))
-            tokens, per_batch = runners[method](
+            tokens, per_batch = runner(
                 loaded,
                 prompt_ids,
                 max_new_tokens,
@@ -239,8 +239,8 @@ def run_bench(
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
-        "drafter": drafter,
-        "block_size": spec.proposer.block_size if spec else None,
+        "drafter": spec.name if spec else None,
+        "block_sizes": sizes,
         "results": results,
     }
     if cost_curve:

@@ -145,7 +145,25 @@ def test_dflash_method_matches_ar(tmp_path, target_dir):
     assert outputs["dflash"] == outputs["ar"]
 
 
-def test_dflash_needs_a_drafter(target_dir):
+def test_dflash_without_a_shipped_drafter(target_dir):
     result = run(target_dir, "--method", "dflash", "w5")
     assert result.exit_code == 2
-    assert "--method dflash needs --drafter" in " ".join(result.output.split())
+    output = " ".join(result.output.split())
+    assert "dflax ships no drafter for target" in output and "give a drafter directory" in output
+
+
+def test_bench_runs_several_block_sizes_in_one_run(tmp_path, target_dir):
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    write_jsonl(prompts, PROMPTS[:2])
+    args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "ar,dflash"]
+    args += ["--drafter", "untrained", "--block-size", "2,4", "--max-new-tokens", "5", "--json", str(report)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["block_sizes"] == [2, 4] and data["n_prompts"] == 2
+    by_method = {r["method"]: r for r in data["results"]}
+    assert set(by_method) == {"ar", "dflash-b2", "dflash-b4"}
+    for r in by_method.values():
+        assert r["lossless_match"] == 1.0 and r["new_tokens"] > 0 and r["tokens_per_s"] > 0
+    assert by_method["ar"]["tau"] == 1.0
+    assert sum(by_method["dflash-b4"]["accept_hist"]) > 0

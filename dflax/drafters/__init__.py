@@ -13,9 +13,11 @@ from dflax.drafters.dflash import (
     DraftSampling,
     init_drafter_params,
 )
+from dflax.drafters.shipped import SHIPPED_DRAFTERS, shipped_drafter_path
 from dflax.target import Target
 
 UNTRAINED = "untrained"
+SHIPPED = "shipped"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,8 +60,9 @@ def load_drafter(
     """Loads a DFlash drafter for a target.
 
     Args:
-      name_or_path: a drafter directory (official z-lab/dflash layout or one dflax saved), or
-        "untrained" for a randomly initialised drafter at the target's width (tau near 1; for tests).
+      name_or_path: a drafter directory (official z-lab/dflash layout or one dflax saved), "shipped" for
+        the drafter dflax ships for the target (see dflax.drafters.shipped), or "untrained" for a randomly
+        initialised drafter at the target's width (tau near 1; for tests).
       target: the loaded target; the drafter shares its embedding and LM head.
       block_size: B at decode time; default the block size the drafter was trained with.
       draft_sampling: greedy drafts (delta rule, default) or sampled drafts (ratio rule).
@@ -70,6 +73,14 @@ def load_drafter(
       FileNotFoundError / CheckpointError: for a missing or broken checkpoint.
     """
     dtype = target.dtype
+    if str(name_or_path) == SHIPPED:
+        shipped = shipped_drafter_path(target.name)
+        if shipped is None:
+            raise FileNotFoundError(
+                f"dflax ships no drafter for target {target.name!r} (shipped: "
+                f"{', '.join(SHIPPED_DRAFTERS)}); give a drafter directory, e.g. one made by `dflax train`"
+            )
+        name_or_path = shipped
     if str(name_or_path) == UNTRAINED:
         config = DFlashConfig.for_target(target.config)
         params = None
@@ -90,4 +101,12 @@ def load_drafter(
     return drafter.with_block_size(proposer.block_size)
 
 
-__all__ = ["DFlashConfig", "DraftSampling", "Drafter", "init_drafter_params", "load_drafter"]
+__all__ = [
+    "SHIPPED",
+    "DFlashConfig",
+    "DraftSampling",
+    "Drafter",
+    "init_drafter_params",
+    "load_drafter",
+    "shipped_drafter_path",
+]

@@ -1,0 +1,21 @@
+"""Drafters trained by dflax and shipped inside the package, one directory per built-in target.
+
+Each directory is a DFlash checkpoint in the official layout (config.json + model.safetensors, bf16) with
+a TRAINING.json recording how it was made (data, recipe, steps, wall time). `dflax generate` and
+`load_drafter(SHIPPED, target)` use the one of the target's name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_HERE = Path(__file__).parent
+
+# target name -> directory of its shipped drafter
+SHIPPED_DRAFTERS = {"smollm2-135m": _HERE / "smollm2-135m"}
+
+
+def shipped_drafter_path(target_name: str) -> Path | None:
+    """The directory of the drafter shipped for a built-in target, or None when there is none."""
+    path = SHIPPED_DRAFTERS.get(target_name)
+    return path if path is not None and (path / "config.json").is_file() else None
