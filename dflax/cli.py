@@ -1,4 +1,4 @@
-"""The `dflax` command line: generate, bench, make-data and train."""
+"""The `dflax` command line: generate, bench, make-data, train and pipeline."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ console = Console(stderr=True)
 
 _TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"
 _METHODS = ("ar", "dflash")
-_DRAFTER_HELP = "DFlash drafter directory (official z-lab/dflash layout) or 'untrained' (random, for tests)"
+_DRAFTER_HELP = (
+    "DFlash drafter directory (official z-lab/dflash layout), 'untrained' (random, for tests); "
+    "default: the drafter dflax ships for the target"
+)
 
 
 def _fail(message: str) -> None:
@@ -34,13 +37,11 @@ def _load_drafter(method: str, drafter: str | None, loaded, block_size: int | No
     """The drafter for --method dflash (None for ar), with one clear error for bad input."""
     if method == "ar":
         return None
-    if not drafter:
-        _fail("--method dflash needs --drafter PATH (a DFlash drafter directory)")
-    from dflax.drafters import DraftSampling, load_drafter
+    from dflax.drafters import SHIPPED, DraftSampling, load_drafter
 
     try:
         return load_drafter(
-            drafter, loaded, block_size=block_size, draft_sampling=DraftSampling(draft_sampling)
+            drafter or SHIPPED, loaded, block_size=block_size, draft_sampling=DraftSampling(draft_sampling)
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -195,7 +196,9 @@ def bench(
         "ar", help="comma-separated: ar (dflax plain decoding), dflash (needs --drafter), hf (transformers)"
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
-    block_size: int = typer.Option(None, help="DFlash block size B; default: the drafter's trained B"),
+    block_size: str = typer.Option(
+        None, help="DFlash block size B, or several (8,16: one dflash run each); default: the trained B"
+    ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     cost_curve: bool = typer.Option(
         False, "--cost-curve", help="time verify forwards for n=1..32 and a draft"
@@ -214,6 +217,12 @@ def bench(
     for m in methods:
         if m not in BENCH_METHODS:
             _fail(f"unknown bench method {m!r}; available: {', '.join(BENCH_METHODS)}")
+    block_sizes = None
+    if block_size:
+        try:
+            block_sizes = [int(b) for b in block_size.split(",")]
+        except ValueError:
+            _fail(f"--block-size {block_size!r}: give integers, e.g. 16 or 8,16")
     try:
         report = run_bench(
             prompts=prompts,
@@ -225,7 +234,7 @@ def bench(
             batch_size=batch_size,
             seed=seed,
             drafter=drafter,
-            block_size=block_size,
+            block_sizes=block_sizes,
             draft_sampling=draft_sampling,
             cost_curve=cost_curve,
             console=console,
@@ -306,6 +315,27 @@ def train_command(
     try:
         result = train(recipe, loaded, train_seqs, val_seqs, out, resume=resume, console=console)
     except ValueError as e:
+        _fail(str(e))
+    if result.interrupted is not None:
+        raise typer.Exit(128 + result.interrupted)
+
+
+@app.command("pipeline")
+def pipeline_command(
+    config: Path = typer.Argument(..., help="pipeline recipe, e.g. configs/pipeline/dflash-smollm2.json"),
+) -> None:
+    """Make data, train and ship a drafter in one command; rerun it to resume after an interruption."""
+    from dflax.train.pipeline import PipelineConfig, run_pipeline
+
+    if not config.is_file():
+        _fail(f"{config}: no such file")
+    try:
+        recipe = PipelineConfig.from_json(config)
+    except (ValueError, TypeError) as e:
+        _fail(f"{config}: {e}")
+    try:
+        result = run_pipeline(recipe, console=console)
+    except (ValueError, FileNotFoundError, ImportError) as e:
         _fail(str(e))
     if result.interrupted is not None:
         raise typer.Exit(128 + result.interrupted)

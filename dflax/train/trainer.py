@@ -421,6 +421,7 @@ def _summary(pending: list[dict], tokens: int, seconds: float, step: int) -> dic
         "grad_norm": float(np.mean([m["grad_norm"] for m in fetched])),
         "acc": np.round(np.asarray(objective.position_accuracy(stats)), 4).tolist(),
         "tok_s": tokens / seconds,
+        "seconds": round(seconds, 3),
     }
 
 

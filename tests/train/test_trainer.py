@@ -315,3 +315,41 @@ def test_feature_cache_resumes_an_interrupted_fill_and_rebuilds_for_other_data(t
     np.testing.assert_array_equal(
         other.batch(np.asarray([0]), 6)[0], np.asarray(compute(None, tokens + 1))[0]
     )
+
+
+def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_path):
+    target_dir = str(tiny_checkpoint("qwen3")[0])
+    data_recipe = tmp_path / "data.json"
+    data_recipe.write_text(
+        json.dumps({"target": target_dir, "max_prompt_tokens": 48, "max_new_tokens": 12, "shard_size": 4})
+    )
+    train_recipe = tmp_path / "train.json"
+    config = dataclasses.replace(TINY, target=target_dir, max_seq_len=64, steps=4, validate_every=2)
+    train_recipe.write_text(json.dumps(config.to_dict()))
+    pipeline = tmp_path / "pipeline.json"
+    ship = tmp_path / "shipped/tiny"
+    pipeline.write_text(
+        json.dumps(
+            {
+                "data_config": str(data_recipe),
+                "train_config": str(train_recipe),
+                "data_dir": str(tmp_path / "data"),
+                "run_dir": str(tmp_path / "run"),
+                "validation_limit": 4,
+                "train_limit": 8,
+                "ship_to": str(ship),
+            }
+        )
+    )
+    result = CliRunner().invoke(app, ["pipeline", str(pipeline)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((ship / "TRAINING.json").read_text())
+    assert record["steps"] == 4 and record["train_wall_s"] > 0
+    assert record["data"]["train"]["sequences"] == 8 and record["data"]["validation"]["sequences"] == 4
+    assert record["final_validation"]["step"] == 4 and record["train"]["block_size"] == 8
+    drafter = load_drafter(ship, dflax.load_target(target_dir))
+    assert drafter.config.block_size == 8
+
+    again = CliRunner().invoke(app, ["pipeline", str(pipeline)])  # everything is done: kept and restored
+    output = " ".join(again.output.split())
+    assert again.exit_code == 0 and "already done, kept" in output and "at step 4 of 4" in output

@@ -1,0 +1,117 @@
+"""`dflax pipeline`: data, training and export of a drafter as one resumable command.
+
+A pipeline recipe (configs/pipeline/*.json) names a data recipe, a training recipe, how many prompts of
+each split to answer, and where the result goes. Every step resumes (make-data keeps finished shards,
+train restores its latest checkpoint), so an interrupted pipeline is rerun with the same command. The
+exported drafter is copied to `ship_to` with TRAINING.json: what data it saw, the recipe, the steps, the
+training wall time and the final validation numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from rich.console import Console
+
+from dflax.target import Target, load_target
+from dflax.train.dataset import load_sequences, read_manifest
+from dflax.train.make_data import DataConfig, make_data
+from dflax.train.trainer import TrainConfig, TrainResult, train
+
+TRAINING_RECORD = "TRAINING.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """One drafter's pipeline (configs/pipeline/*.json).
+
+    Attributes:
+      data_config: path of the data recipe (configs/data/*.json).
+      train_config: path of the training recipe (configs/train/*.json).
+      data_dir: where make-data writes its shards.
+      run_dir: where train writes features, checkpoints, metrics and the exported drafter.
+      validation_limit: held-out prompts to answer (validation).
+      train_limit: training prompts to answer (None = the whole split).
+      ship_to: directory the exported drafter is copied to (None = leave it in run_dir/drafter).
+    """
+
+    data_config: str
+    train_config: str
+    data_dir: str
+    run_dir: str
+    validation_limit: int = 32
+    train_limit: int | None = None
+    ship_to: str | None = None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> PipelineConfig:
+        """Reads a pipeline recipe; unknown keys are an error naming the known ones."""
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown pipeline keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+def training_record(run_dir: Path, data_dir: Path, config: TrainConfig, result: TrainResult) -> dict:
+    """What the shipped drafter was trained on and how long it took (from the manifest and metrics.jsonl)."""
+    manifest = read_manifest(data_dir) or {}
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    progress = [m for m in metrics if "loss" in m]
+    validation = [m for m in metrics if "val_tau" in m]
+    splits = manifest.get("splits", {})
+    return {
+        "data": {
+            "generation": manifest.get("generation"),
+            **{
+                split: {k: splits[split].get(k) for k in ("sequences", "response_tokens")} for split in splits
+            },
+        },
+        "train": config.to_dict(),
+        "steps": result.step,
+        "train_wall_s": round(sum(m.get("seconds", 0.0) for m in progress), 1),
+        "final_loss": progress[-1]["loss"] if progress else None,
+        "final_validation": validation[-1] if validation else None,
+    }
+
+
+def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, console: Console | None = None):
+    """Runs make-data (validation, train), train and the export; each step resumes.
+
+    Returns:
+      The TrainResult of the training step (`interrupted` set when a signal stopped it).
+    """
+    console = console or Console(stderr=True)
+    data_config = DataConfig.from_json(pipeline.data_config)
+    train_config = TrainConfig.from_json(pipeline.train_config)
+    if data_config.target != train_config.target:
+        raise ValueError(
+            f"the data recipe targets {data_config.target!r} but the training recipe {train_config.target!r}"
+        )
+    target = target or load_target(train_config.target)
+    data_dir, run_dir = Path(pipeline.data_dir), Path(pipeline.run_dir)
+    for split, limit in (("validation", pipeline.validation_limit), ("train", pipeline.train_limit)):
+        console.rule(f"make-data {split}")
+        make_data(data_config, data_dir, split=split, limit=limit, target=target, console=console)
+    console.rule("train")
+    result = train(
+        train_config,
+        target,
+        load_sequences(data_dir, "train"),
+        load_sequences(data_dir, "validation"),
+        run_dir,
+        console=console,
+    )
+    if result.drafter_dir is not None and pipeline.ship_to:
+        ship = Path(pipeline.ship_to)
+        if ship.exists():
+            shutil.rmtree(ship)
+        shutil.copytree(result.drafter_dir, ship)
+        record = training_record(run_dir, data_dir, train_config, result)
+        (ship / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        console.print(f"drafter shipped to {ship}")
+    return result
