@@ -16,7 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(stderr=True)
 
 _TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"
-_METHODS = ("ar", "dflash")
+_METHODS = ("auto", "ar", "dflash")
 _DRAFTER_HELP = (
     "DFlash drafter directory (official z-lab/dflash layout), 'untrained' (random, for tests); "
     "default: the drafter dflax ships for the target"
@@ -77,7 +77,11 @@ def generate(
         None, "--out", help="JSONL results, written as each prompt completes; reruns resume"
     ),
     target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
-    method: str = typer.Option("ar", help="ar (plain autoregressive) or dflash (speculative, lossless)"),
+    method: str = typer.Option(
+        "auto",
+        help="dflash (speculative, lossless), ar (plain autoregressive), or auto: dflash when --drafter "
+        "is given or dflax ships a drafter for the target, else ar",
+    ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
     block_size: int = typer.Option(
         None, help="DFlash block size B (anchor + B-1 drafts); default: trained B"
@@ -123,6 +127,10 @@ def generate(
         console.print(f"{out}: {len(records) - len(todo)} of {len(records)} prompts already done, resuming")
 
     loaded = _load(target, dtype)
+    if method == "auto":
+        from dflax.drafters import shipped_drafter_path
+
+        method = "dflash" if drafter or shipped_drafter_path(loaded.name) else "ar"
     spec_drafter = _load_drafter(method, drafter, loaded, block_size, draft_sampling)
     sink = None
     if out:
@@ -131,7 +139,7 @@ def generate(
         sink = out.open("a", encoding="utf-8")
         if needs_newline:  # a torn line from an interrupted run stays alone on its line
             sink.write("\n")
-    totals = {"new_tokens": 0, "decode_s": 0.0}
+    totals = {"new_tokens": 0, "steps": 0, "committed": 0.0}
     progress = Progress(
         TextColumn("generating"),
         BarColumn(),
@@ -154,6 +162,8 @@ def generate(
                         result.text if len(todo) == 1 else json.dumps({"id": record.id, "text": result.text})
                     )
                 totals["new_tokens"] += result.stats["new_tokens"]
+                totals["steps"] += result.stats["steps"]
+                totals["committed"] += result.stats["tau"] * result.stats["steps"]
                 progress.advance(task)
 
             t0 = time.perf_counter()
@@ -176,9 +186,10 @@ def generate(
     finally:
         if sink:
             sink.close()
+    tau = f", tau {totals['committed'] / totals['steps']:.2f}" if spec_drafter and totals["steps"] else ""
     console.print(
         f"{len(todo)} prompts, {totals['new_tokens']} new tokens in {elapsed:.1f}s "
-        f"({totals['new_tokens'] / max(elapsed, 1e-9):.1f} tokens/s, compilation included)"
+        f"({totals['new_tokens'] / max(elapsed, 1e-9):.1f} tokens/s, compilation included{tau})"
     )
     if bad:
         console.print(

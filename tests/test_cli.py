@@ -145,6 +145,16 @@ def test_dflash_method_matches_ar(tmp_path, target_dir):
     assert outputs["dflash"] == outputs["ar"]
 
 
+def test_auto_method_uses_a_given_drafter_and_reports_tau(target_dir):
+    plain = run(target_dir, "w5 w6")  # no drafter shipped for the tiny target: plain decoding
+    assert plain.exit_code == 0, plain.output
+    assert "tau" not in plain.output
+    spec = run(target_dir, "--drafter", "untrained", "--block-size", "4", "w5 w6")
+    assert spec.exit_code == 0, spec.output
+    assert "tau 1." in spec.output
+    assert plain.stdout.strip() and spec.stdout == plain.stdout  # the same text
+
+
 def test_dflash_without_a_shipped_drafter(target_dir):
     result = run(target_dir, "--method", "dflash", "w5")
     assert result.exit_code == 2

@@ -1,4 +1,4 @@
-"""The top-k / top-p filter: the exact kept set, the candidate fast path vs the full sort, batch independence."""
+"""The top-k / top-p filter: the exact kept set, the candidate path vs the full sort, batch independence."""
 
 from __future__ import annotations
 
