@@ -51,6 +51,7 @@ def config_to_json(config: DFlashConfig, num_target_layers: int) -> dict:
         "dflash_config": {
             "target_layer_ids": list(config.target_layer_ids),
             "mask_token_id": config.mask_token_id,
+            **({"feature_norm": True} if config.feature_norm else {}),
         },
     }
 
@@ -67,6 +68,7 @@ def config_from_json(data: dict) -> DFlashConfig:
         block_size=int(data.get("block_size", dflash.get("block_size", 16))),
         target_layer_ids=tuple(int(i) for i in layer_ids),
         mask_token_id=dflash.get("mask_token_id", data.get("mask_token_id")),
+        feature_norm=bool(dflash.get("feature_norm", False)),
     )
 
 

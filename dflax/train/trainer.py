@@ -66,6 +66,7 @@ class TrainConfig:
       gamma: decay of the loss weights exp(-(k - 1) / gamma); None = the paper's value for B.
       target_layer_ids: target layers fused as features; None = the published spread.
       mask_token_id: a target token used as the mask; None = a learned mask embedding.
+      feature_norm: RMS-normalize each tapped layer's features before the drafter's fc (see DFlashConfig).
       anchors_per_seq: M random anchors (blocks) per sequence per step.
       max_seq_len: S, sequences are truncated / padded to this length.
       batch_size: sequences per step (R = batch_size * anchors_per_seq block rows).
@@ -92,6 +93,7 @@ class TrainConfig:
     gamma: float | None = None
     target_layer_ids: tuple[int, ...] | None = None
     mask_token_id: int | None = None
+    feature_norm: bool = False
     anchors_per_seq: int = 32
     max_seq_len: int = 384
     batch_size: int = 4
@@ -158,7 +160,12 @@ class TrainConfig:
     def drafter_config(self, target: Target) -> DFlashConfig:
         """The drafter architecture this recipe trains for `target`."""
         return DFlashConfig.for_target(
-            target.config, self.num_layers, self.block_size, self.target_layer_ids, self.mask_token_id
+            target.config,
+            self.num_layers,
+            self.block_size,
+            self.target_layer_ids,
+            self.mask_token_id,
+            self.feature_norm,
         )
 
 

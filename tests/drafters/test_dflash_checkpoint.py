@@ -3,6 +3,7 @@ target fails at load time with one clear message."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -97,6 +98,33 @@ def test_mask_token_id_checkpoint_uses_the_target_row(tmp_path, target):
     expected, _ = tokens_with(target, None)
     got, _ = tokens_with(target, loaded)
     assert got == expected
+
+
+def test_feature_norm_round_trips_and_normalizes_each_tap(tmp_path, target):
+    """dflax's feature_norm option is saved in dflash_config and makes fc see unit-RMS taps."""
+    plain = load_drafter("untrained", target, block_size=4)
+    config = dataclasses.replace(plain.config, feature_norm=True)
+    save_drafter(tmp_path, config, plain.params, target.config.num_layers)
+    assert json.loads((tmp_path / "config.json").read_text())["dflash_config"]["feature_norm"] is True
+    normed = load_drafter(tmp_path, target, block_size=4)
+    assert normed.config.feature_norm and normed.config == config
+
+    taps, width = len(config.target_layer_ids), config.layers.hidden_size
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((1, 3, taps, width)).astype(np.float32)
+    scales = rng.uniform(0.1, 10.0, (1, 3, taps, 1)).astype(np.float32)
+    scales[:, :, 0] = 1000.0  # one tap with huge activations
+    scaled = features * scales  # each tap of each position rescaled
+    positions = np.arange(3)[None]
+
+    def context_keys(drafter, feats):
+        module = DFlashDrafter(drafter.config)
+        keys, _ = module.apply(drafter.params, feats.reshape(1, 3, -1), positions, method=module.context_kv)
+        return np.asarray(keys[0])
+
+    np.testing.assert_allclose(context_keys(normed, features), context_keys(normed, scaled), atol=2e-4)
+    assert not np.allclose(context_keys(plain, features), context_keys(plain, scaled), atol=1e-2)
+    assert tokens_with(target, normed)[0] == tokens_with(target, None)[0]  # lossless all the same
 
 
 @pytest.mark.parametrize(
