@@ -16,7 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(stderr=True)
 
 _TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"
-_METHODS = ("auto", "ar", "dflash")
+_METHODS = ("ar", "dflash")
 _DRAFTER_HELP = (
     "DFlash drafter directory (official z-lab/dflash layout), 'untrained' (random, for tests); "
     "default: the drafter dflax ships for the target"
@@ -78,9 +78,9 @@ def generate(
     ),
     target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
     method: str = typer.Option(
-        "auto",
-        help="dflash (speculative, lossless), ar (plain autoregressive), or auto: dflash when --drafter "
-        "is given or dflax ships a drafter for the target, else ar",
+        "ar",
+        help="ar (plain autoregressive) or dflash (speculative, lossless; the drafter dflax ships for the "
+        "target unless --drafter is given)",
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
     block_size: int = typer.Option(
@@ -127,10 +127,6 @@ def generate(
         console.print(f"{out}: {len(records) - len(todo)} of {len(records)} prompts already done, resuming")
 
     loaded = _load(target, dtype)
-    if method == "auto":
-        from dflax.drafters import shipped_drafter_path
-
-        method = "dflash" if drafter or shipped_drafter_path(loaded.name) else "ar"
     spec_drafter = _load_drafter(method, drafter, loaded, block_size, draft_sampling)
     sink = None
     if out:

@@ -145,11 +145,11 @@ def test_dflash_method_matches_ar(tmp_path, target_dir):
     assert outputs["dflash"] == outputs["ar"]
 
 
-def test_auto_method_uses_a_given_drafter_and_reports_tau(target_dir):
-    plain = run(target_dir, "w5 w6")  # no drafter shipped for the tiny target: plain decoding
+def test_dflash_reports_tau_and_matches_plain_decoding(target_dir):
+    plain = run(target_dir, "w5 w6")
     assert plain.exit_code == 0, plain.output
     assert "tau" not in plain.output
-    spec = run(target_dir, "--drafter", "untrained", "--block-size", "4", "w5 w6")
+    spec = run(target_dir, "--method", "dflash", "--drafter", "untrained", "--block-size", "4", "w5 w6")
     assert spec.exit_code == 0, spec.output
     assert "tau 1." in spec.output
     assert plain.stdout.strip() and spec.stdout == plain.stdout  # the same text
