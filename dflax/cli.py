@@ -200,7 +200,7 @@ def bench(
     prompts: str = typer.Option("humaneval", help="humaneval, mtbench or a JSONL prompt file"),
     target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
     method: str = typer.Option(
-        "ar", help="comma-separated: ar (dflax plain decoding), dflash (needs --drafter), hf (transformers)"
+        "ar", help="comma-separated: ar (plain decoding), dflash (shipped or --drafter), hf (transformers)"
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
     block_size: str = typer.Option(
