@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 import dflax
 from dflax.cli import app
-from dflax.drafters import load_drafter
+from dflax.drafters import load_drafter, shipped_drafter_path
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, init_drafter_params
 from dflax.generation import encode_prompt
 from dflax.models.transformer import Transformer
@@ -247,7 +247,10 @@ def test_resume_after_sigterm_equals_the_uninterrupted_run(target, sequences, ov
 
 def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     recipe = TrainConfig.from_json(RECIPE)
-    assert (recipe.num_layers, recipe.block_size, recipe.loss_gamma, recipe.lr) == (3, 16, 7.0, 6e-4)
+    assert (recipe.num_layers, recipe.block_size, recipe.loss_gamma) == (3, 16, 7.0)
+    # The shipped drafter was trained with exactly the committed recipe.
+    shipped = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
+    assert shipped["train"] == recipe.to_dict()
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"block_size": 16, "lerning_rate": 1e-3}))
     with pytest.raises(ValueError, match="lerning_rate"):
