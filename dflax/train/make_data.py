@@ -33,6 +33,7 @@ from dflax.train.dataset import (
     write_atomically,
     write_shard,
 )
+from dflax.train.recipe import read_recipe
 from dflax.train.sharegpt import SPLITS, load_sharegpt
 
 # Settings that do not change the generated sequences, so a rerun may change them freely.
@@ -80,13 +81,8 @@ class DataConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> DataConfig:
-        """Reads a recipe file; unknown keys are an error (a typo must not silently use a default)."""
-        values = json.loads(Path(path).read_text(encoding="utf-8"))
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
+        """Reads a recipe file; unknown keys are an error naming the known ones."""
+        return read_recipe(cls, path)
 
     def generation_settings(self) -> dict:
         """The settings that determine the sequences (a data directory is made under one of these)."""

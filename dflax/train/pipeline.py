@@ -19,6 +19,7 @@ from rich.console import Console
 from dflax.target import Target, load_target
 from dflax.train.dataset import load_sequences, read_manifest
 from dflax.train.make_data import DataConfig, make_data
+from dflax.train.recipe import read_recipe
 from dflax.train.trainer import TrainConfig, TrainResult, train
 
 TRAINING_RECORD = "TRAINING.json"
@@ -48,13 +49,8 @@ class PipelineConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> PipelineConfig:
-        """Reads a pipeline recipe; unknown keys are an error naming the known ones."""
-        values = json.loads(Path(path).read_text(encoding="utf-8"))
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown pipeline keys {unknown}; known: {sorted(known)}")
-        return cls(**values)
+        """Reads a recipe file; unknown keys are an error naming the known ones."""
+        return read_recipe(cls, path)
 
 
 def training_record(run_dir: Path, data_dir: Path, config: TrainConfig, result: TrainResult) -> dict:

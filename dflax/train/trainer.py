@@ -50,6 +50,7 @@ from dflax.models.transformer import Transformer
 from dflax.target import Target
 from dflax.train import objective
 from dflax.train.features import FeatureCache, cache_features
+from dflax.train.recipe import read_recipe
 
 # The fields that fix the data order and the anchors: a checkpoint only resumes a run that shares them.
 _ORDER_FIELDS = ("seed", "batch_size", "max_seq_len", "anchors_per_seq", "block_size")
@@ -143,12 +144,7 @@ class TrainConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> TrainConfig:
         """Reads a recipe file; unknown keys are an error naming the known ones."""
-        data = json.loads(Path(path).read_text())
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown training config keys {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        return read_recipe(cls, path)
 
     def to_dict(self) -> dict:
         """JSON-ready fields."""
