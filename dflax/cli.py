@@ -47,6 +47,18 @@ def _load_drafter(method: str, drafter: str | None, loaded, block_size: int | No
         _fail(str(e))
 
 
+def _read_recipe(cls, path: Path, label: str, **overrides):
+    """A recipe dataclass from its JSON file (with field overrides), or one clear error naming `label`."""
+    import dataclasses
+
+    if not path.is_file():
+        _fail(f"{label}: no such file")
+    try:
+        return dataclasses.replace(cls.from_json(path), **overrides)
+    except (ValueError, TypeError) as e:
+        _fail(f"{label}: {e}")
+
+
 def _load(target: str, dtype: str | None):
     import jax
 
@@ -265,12 +277,7 @@ def make_data_command(
     """Make drafter training data: ShareGPT prompts answered by the target, in resumable shards."""
     from dflax.train.make_data import DataConfig, make_data
 
-    if not config.is_file():
-        _fail(f"--config {config}: no such file")
-    try:
-        recipe = DataConfig.from_json(config)
-    except (ValueError, TypeError) as e:
-        _fail(f"--config {config}: {e}")
+    recipe = _read_recipe(DataConfig, config, f"--config {config}")
     loaded = _load(recipe.target, None)
     try:
         summary = make_data(
@@ -296,19 +303,12 @@ def train_command(
     resume: bool = typer.Option(True, "--resume/--no-resume", help="continue from the latest checkpoint"),
 ) -> None:
     """Train a DFlash drafter on target-generated data; SIGTERM/Ctrl-C saves a checkpoint to resume from."""
-    import dataclasses
 
     from dflax.train.dataset import load_sequences
     from dflax.train.trainer import TrainConfig, train
 
-    if not config.is_file():
-        _fail(f"--config {config}: no such file")
-    try:
-        recipe = TrainConfig.from_json(config)
-        if steps is not None:
-            recipe = dataclasses.replace(recipe, steps=steps)
-    except (ValueError, TypeError) as e:
-        _fail(f"--config {config}: {e}")
+    overrides = {"steps": steps} if steps is not None else {}
+    recipe = _read_recipe(TrainConfig, config, f"--config {config}", **overrides)
     try:
         train_seqs = load_sequences(data, "train")
     except FileNotFoundError as e:
@@ -334,12 +334,7 @@ def pipeline_command(
     """Make data, train and ship a drafter in one command; rerun it to resume after an interruption."""
     from dflax.train.pipeline import PipelineConfig, run_pipeline
 
-    if not config.is_file():
-        _fail(f"{config}: no such file")
-    try:
-        recipe = PipelineConfig.from_json(config)
-    except (ValueError, TypeError) as e:
-        _fail(f"{config}: {e}")
+    recipe = _read_recipe(PipelineConfig, config, str(config))
     try:
         result = run_pipeline(recipe, console=console)
     except (ValueError, FileNotFoundError, ImportError) as e:
