@@ -51,9 +51,13 @@ from dflax.target import Target
 from dflax.train import objective
 from dflax.train.features import FeatureCache, cache_features
 from dflax.train.recipe import read_recipe
+from dflax.train.target_init import check_copyable, init_from_target
 
 # The fields that fix the data order and the anchors: a checkpoint only resumes a run that shares them.
-_ORDER_FIELDS = ("seed", "batch_size", "max_seq_len", "anchors_per_seq", "block_size")
+_ORDER_FIELDS = ("seed", "init", "batch_size", "max_seq_len", "anchors_per_seq", "block_size")
+
+# How a run's drafter starts: random weights, or the target's last layers (dflax.train.target_init).
+INITS = ("random", "target")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +72,7 @@ class TrainConfig:
       target_layer_ids: target layers fused as features; None = the published spread.
       mask_token_id: a target token used as the mask; None = a learned mask embedding.
       feature_norm: RMS-normalize each tapped layer's features before the drafter's fc (see DFlashConfig).
+      init: "random", or "target" to start from the target's last layers (see dflax.train.target_init).
       anchors_per_seq: M random anchors (blocks) per sequence per step.
       max_seq_len: S, sequences are truncated / padded to this length.
       batch_size: sequences per step (R = batch_size * anchors_per_seq block rows).
@@ -95,6 +100,7 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None
     mask_token_id: int | None = None
     feature_norm: bool = False
+    init: str = "random"
     anchors_per_seq: int = 32
     max_seq_len: int = 384
     batch_size: int = 4
@@ -132,6 +138,8 @@ class TrainConfig:
             raise ValueError(f"training config: steps must be >= 1 or null, got {self.steps}")
         if not 0.0 <= self.warmup_frac < 1.0:
             raise ValueError(f"training config: warmup_frac must be in [0, 1), got {self.warmup_frac}")
+        if self.init not in INITS:
+            raise ValueError(f"training config: init {self.init!r} unknown; use one of {', '.join(INITS)}")
         if self.export_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"training config: export_dtype {self.export_dtype!r}; use bfloat16 or float32")
         objective.position_weights(self.block_size, self.loss_gamma)  # validates gamma
@@ -434,12 +442,16 @@ def _progress_text(record: dict, tau: float | None) -> str:
     return text + (f"  val tau {tau:.2f}" if tau is not None else "")
 
 
-def _initial_state(module: DFlashDrafter, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    params = init_drafter_params(module, seed)
+def _initial_state(
+    module: DFlashDrafter, tx: optax.GradientTransformation, config: TrainConfig, target: Target
+) -> TrainState:
+    params = init_drafter_params(module, config.seed)
+    if config.init == "target":
+        params = init_from_target(params, target.params, target.config, module.config)
     return TrainState(
         params=params,
         opt_state=tx.init(params),
-        rng=jax.random.key_data(jax.random.key(seed)),
+        rng=jax.random.key_data(jax.random.key(config.seed)),
         step=jnp.zeros((), jnp.int32),
     )
 
@@ -491,8 +503,10 @@ def train(
     )
     dflash = config.drafter_config(target)
     dflash.check_target(target.config)
+    if config.init == "target":
+        check_copyable(target.config, dflash)
     programs = _programs(dflash, target.module, config, total_steps)
-    state = _initial_state(programs.module, programs.tx, config.seed)
+    state = _initial_state(programs.module, programs.tx, config, target)
 
     ckpt_dir = out_dir / "checkpoints"
     if not resume and ckpt_dir.exists():
