@@ -53,7 +53,7 @@ from dflax.train.features import FeatureCache, cache_features
 from dflax.train.recipe import read_recipe
 from dflax.train.target_init import check_copyable, init_from_target
 
-# The fields that fix the start, the data order and the anchors: a checkpoint only resumes a run that shares them.
+# What a checkpoint must share with the run it resumes: the start, the data order and the anchors.
 _ORDER_FIELDS = ("seed", "init", "batch_size", "max_seq_len", "anchors_per_seq", "block_size")
 
 # How a run's drafter starts: random weights, or the target's last layers (dflax.train.target_init).
