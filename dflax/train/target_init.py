@@ -80,17 +80,14 @@ def init_from_target(params: dict, target_params: dict, target: ModelConfig, dra
     source = target_params["params"]
     out = dict(params["params"])
     first = target.num_layers - drafter.layers.num_layers
+    parts = _LAYER_PARTS + ((("self_attn", "q_norm"), ("self_attn", "k_norm")) if target.qk_norm else ())
     for i in range(drafter.layers.num_layers):
         layer = out[f"layers_{i}"]
-        for part in _LAYER_PARTS:
+        for part in parts:
             weight = source[f"layers_{first + i}"]
             for name in part:
                 weight = weight[name]
             layer = _copy(layer, part, jnp.asarray(weight["weight"], _dtype(layer)))
-        if target.qk_norm:
-            for part in (("self_attn", "q_norm"), ("self_attn", "k_norm")):
-                weight = source[f"layers_{first + i}"][part[0]][part[1]]["weight"]
-                layer = _copy(layer, part, jnp.asarray(weight, _dtype(layer)))
         out[f"layers_{i}"] = layer
 
     d = target.hidden_size
