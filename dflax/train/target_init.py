@@ -56,10 +56,18 @@ def check_copyable(target: ModelConfig, drafter: DFlashConfig) -> None:
 
 
 def _copy(tree: dict, path: tuple[str, ...], value: jax.Array) -> dict:
-    """`tree` with tree[path]["weight"] replaced (a functional update of nested dicts)."""
+    """`tree` with tree[path]["weight"] replaced by `value` in that weight's dtype (a functional update)."""
     head, *rest = path
-    inner = _copy(tree[head], tuple(rest), value) if rest else {**tree[head], "weight": value}
-    return {**tree, head: inner}
+    if rest:
+        return {**tree, head: _copy(tree[head], tuple(rest), value)}
+    return {**tree, head: {**tree[head], "weight": jnp.asarray(value, tree[head]["weight"].dtype)}}
+
+
+def _weight(tree: dict, path: tuple[str, ...]) -> jax.Array:
+    """tree[path]["weight"]."""
+    for name in path:
+        tree = tree[name]
+    return tree["weight"]
 
 
 def init_from_target(params: dict, target_params: dict, target: ModelConfig, drafter: DFlashConfig) -> dict:
@@ -75,32 +83,25 @@ def init_from_target(params: dict, target_params: dict, target: ModelConfig, dra
     Returns:
       New drafter parameters {"params": ...} with the same tree structure, shapes and dtypes, in
       buffers of their own.
+
+    Raises:
+      ValueError: when the target's layers cannot be copied (see `check_copyable`).
     """
     check_copyable(target, drafter)
     source = target_params["params"]
-    out = dict(params["params"])
+    out = params["params"]
     first = target.num_layers - drafter.layers.num_layers
     parts = _LAYER_PARTS + ((("self_attn", "q_norm"), ("self_attn", "k_norm")) if target.qk_norm else ())
     for i in range(drafter.layers.num_layers):
-        layer = out[f"layers_{i}"]
         for part in parts:
-            weight = source[f"layers_{first + i}"]
-            for name in part:
-                weight = weight[name]
-            layer = _copy(layer, part, jnp.asarray(weight["weight"], _dtype(layer)))
-        out[f"layers_{i}"] = layer
+            out = _copy(out, (f"layers_{i}", *part), _weight(source[f"layers_{first + i}"], part))
 
     d = target.hidden_size
     taps = len(drafter.target_layer_ids)
-    fc = jnp.zeros((d, taps * d), out["fc"]["weight"].dtype)  # [out D, in K * D]
-    out["fc"] = {"weight": fc.at[:, (taps - 1) * d :].set(jnp.eye(d, dtype=fc.dtype))}
+    fc = jnp.zeros((d, taps * d)).at[:, (taps - 1) * d :].set(jnp.eye(d))  # [out D, in K * D]
+    out = _copy(out, ("fc",), fc)
     fed = min(drafter.target_layer_ids[-1] + 1, target.num_layers - 1)
-    feeds = source[f"layers_{fed}"]["input_layernorm"]["weight"]
-    out["hidden_norm"] = {"weight": jnp.asarray(feeds, out["hidden_norm"]["weight"].dtype)}
-    out["norm"] = {"weight": jnp.asarray(source["norm"]["weight"], out["norm"]["weight"].dtype)}
+    out = _copy(out, ("hidden_norm",), _weight(source, (f"layers_{fed}", "input_layernorm")))
+    out = _copy(out, ("norm",), _weight(source, ("norm",)))
     # Own buffers: a training step donates its parameters, which must not alias the target's or each other.
     return jax.tree.map(lambda x: jnp.array(x, copy=True), {"params": out})
-
-
-def _dtype(layer: dict) -> jnp.dtype:
-    return jax.tree.leaves(layer)[0].dtype

@@ -51,7 +51,7 @@ from dflax.target import Target
 from dflax.train import objective
 from dflax.train.features import FeatureCache, cache_features
 from dflax.train.recipe import read_recipe
-from dflax.train.target_init import check_copyable, init_from_target
+from dflax.train.target_init import init_from_target
 
 # What a checkpoint must share with the run it resumes: the start, the data order and the anchors.
 _ORDER_FIELDS = ("seed", "init", "batch_size", "max_seq_len", "anchors_per_seq", "block_size")
@@ -503,8 +503,6 @@ def train(
     )
     dflash = config.drafter_config(target)
     dflash.check_target(target.config)
-    if config.init == "target":
-        check_copyable(target.config, dflash)
     programs = _programs(dflash, target.module, config, total_steps)
     state = _initial_state(programs.module, programs.tx, config, target)
 
