@@ -23,7 +23,7 @@ from dflax.models.config import ModelConfig
 from dflax.models.layers import Linear, RMSNorm
 from dflax.models.transformer import DecoderLayer, Transformer
 from dflax.spec.cache import KVCache, write_rows
-from dflax.spec.sampling import SamplingParams, target_log_probs
+from dflax.spec.sampling import SamplingParams, categorical, target_log_probs
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[int, ...]:
@@ -287,8 +287,7 @@ class DFlashProposer:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
         q_params = SamplingParams.make(self.draft_sampling.temperature)
         log_q = target_log_probs(logits, q_params)  # [B, n, V]
-        drafts = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, axis=-1))(keys, log_q)
-        return drafts.astype(jnp.int32), log_q
+        return categorical(keys, log_q), log_q
 
 
 def init_drafter_params(module: DFlashDrafter, seed: int = 0) -> dict:

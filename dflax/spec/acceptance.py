@@ -23,7 +23,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflax.spec.sampling import NEG_INF, SamplingParams, sample, target_log_probs
+from dflax.spec.sampling import (
+    NEG_INF,
+    SamplingParams,
+    categorical,
+    sample,
+    split_keys,
+    target_log_probs,
+    uniform,
+)
 
 
 @struct.dataclass
@@ -94,7 +102,7 @@ def accept_delta(
     at the first mismatch (or y_T as the bonus). At temperature 0 this is `accept_greedy`.
 
     Args:
-      key: PRNG key.
+      key: one PRNG key, or [B] row keys.
       draft_tokens: [B, T] int drafts, chosen without sampling from a proposal distribution.
       target_logits: [B, T + 1, V] target logits for the block.
       params: the target's sampling settings.
@@ -120,7 +128,7 @@ def accept_ratio(
     `accept_greedy`.
 
     Args:
-      key: PRNG key.
+      key: one PRNG key, or [B] row keys.
       draft_tokens: [B, T] int drafts; d_i must have been sampled from q_i given the drafts before it.
       draft_log_probs: [B, T, V] log q_i, the drafter's distribution that d_i was sampled from.
       target_logits: [B, T + 1, V] target logits for the block.
@@ -129,13 +137,13 @@ def accept_ratio(
     Returns:
       The accepted drafts followed by the residual sample at the first rejection (or the bonus).
     """
-    key_accept, key_residual = jax.random.split(key)
+    key_accept, key_residual = split_keys(key)
     draft_tokens = draft_tokens.astype(jnp.int32)
     p = jnp.exp(target_log_probs(target_logits, params))  # [B, T + 1, V]
     q = jnp.exp(draft_log_probs.astype(jnp.float32))  # [B, T, V]
     p_draft = jnp.take_along_axis(p[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]  # [B, T]
     q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]  # [B, T]
-    u = jax.random.uniform(key_accept, draft_tokens.shape)  # [B, T], in [0, 1)
+    u = uniform(key_accept, draft_tokens.shape)  # [B, T], in [0, 1)
     # u < p / q, written without the division so q == 0 cannot produce NaN.
     num_accepted = _accepted_prefix_length(u * q_draft < p_draft)
 
@@ -144,7 +152,7 @@ def accept_ratio(
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p[:, :-1])
     next_probs = jnp.concatenate([residual, p[:, -1:]], axis=1)  # [B, T + 1, V], unnormalised
     next_logits = jnp.where(next_probs > 0, jnp.log(next_probs), NEG_INF)
-    next_tokens = jax.random.categorical(key_residual, next_logits, axis=-1)  # [B, T + 1]
+    next_tokens = categorical(key_residual, next_logits)  # [B, T + 1]
     return _commit(draft_tokens, num_accepted, next_tokens)
 
 

@@ -21,7 +21,7 @@ from flax import struct
 from dflax.models.transformer import Transformer
 from dflax.spec.acceptance import accept_delta, accept_ratio
 from dflax.spec.cache import KVCache, write_rows
-from dflax.spec.sampling import SamplingParams, sample
+from dflax.spec.sampling import SamplingParams, sample, split_keys
 
 
 class Proposer(Protocol):
@@ -133,7 +133,7 @@ def prefill(
     last_hidden = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = model.apply(params, last_hidden, method=Transformer.logits)  # [B, V]
     keys = _row_keys_at(row_keys, jnp.zeros((b,), jnp.int32))
-    first = jax.vmap(lambda k, lg: sample(k, lg, sampling))(keys, logits)  # [B]
+    first = sample(keys, logits, sampling)  # [B]
     n = proposer.num_draft if proposer else 0
     tokens = jnp.zeros((b, max_tokens + n + 1), jnp.int32).at[:, 0].set(first)
     drafter_state = None
@@ -179,7 +179,7 @@ def decode_step(
     cache = state.cache
     b = state.last_token.shape[0]
     keys = _row_keys_at(state.row_keys, state.num_generated)
-    accept_keys, draft_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+    accept_keys, draft_keys = split_keys(keys)
     if proposer is None:
         drafts, draft_log_probs = jnp.zeros((b, 0), jnp.int32), None
     else:
@@ -193,15 +193,11 @@ def decode_step(
     logits = model.apply(params, hidden, method=Transformer.logits)  # [B, n + 1, V]
 
     if draft_log_probs is None:
-        acc = jax.vmap(lambda k, d, lg: accept_delta(k, d[None], lg[None], sampling))(
-            accept_keys, drafts, logits
-        )
+        acc = accept_delta(accept_keys, drafts, logits, sampling)
     else:
-        acc = jax.vmap(lambda k, d, q, lg: accept_ratio(k, d[None], q[None], lg[None], sampling))(
-            accept_keys, drafts, draft_log_probs, logits
-        )
-    committed = acc.tokens[:, 0]  # [B, n + 1]; valid up to num_accepted + 1
-    count = acc.num_accepted[:, 0] + 1  # [B]
+        acc = accept_ratio(accept_keys, drafts, draft_log_probs, logits, sampling)
+    committed = acc.tokens  # [B, n + 1]; valid up to num_accepted + 1
+    count = acc.num_accepted + 1  # [B]
 
     # Stop at the first EOS among the committed tokens and at the row's budget.
     idx = jnp.arange(n + 1)

@@ -127,11 +127,40 @@ def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(params.temperature > 0, sampled, greedy)
 
 
+# Random draws take either one PRNG key or row keys: an array of B keys for arrays of shape [B, ...], so
+# that row b's draws depend only on key b (a prompt's output does not depend on its batch). Only the draw is
+# mapped over rows: the distribution is computed for the whole batch, so its data-dependent branches (the
+# full-vocabulary sort of the nucleus filter) stay real branches instead of running for every row.
+
+
+def split_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two independent keys (or two arrays of row keys) from one key (or one array of row keys)."""
+    if key.ndim == 0:
+        first, second = jax.random.split(key)
+        return first, second
+    first, second = jnp.moveaxis(jax.vmap(jax.random.split)(key), 1, 0)
+    return first, second
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform [0, 1) float32 draws of `shape`; with row keys, shape[0] is the number of rows."""
+    if key.ndim == 0:
+        return jax.random.uniform(key, shape)
+    return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(key)
+
+
+def categorical(key: jax.Array, log_probs: jax.Array) -> jax.Array:
+    """int32 draws from log_probs [..., V] over the last axis; with row keys, one key per leading row."""
+    if key.ndim == 0:
+        return jax.random.categorical(key, log_probs, axis=-1).astype(jnp.int32)
+    return jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))(key, log_probs).astype(jnp.int32)
+
+
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Draws one token per position from the target distribution.
 
     Args:
-      key: PRNG key.
+      key: one PRNG key, or [B] row keys for logits [B, ..., V].
       logits: [..., V] raw logits.
       params: sampling settings (temperature 0 = argmax).
 
@@ -139,5 +168,5 @@ def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Arr
       [...] int32 token ids.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.random.categorical(key, target_log_probs(logits, params), axis=-1).astype(jnp.int32)
+    drawn = categorical(key, target_log_probs(logits, params))
     return jnp.where(params.temperature > 0, drawn, greedy)

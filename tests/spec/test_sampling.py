@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,3 +61,37 @@ def test_filter_is_skipped_without_top_k_or_top_p():
     logits = jnp.asarray(rows([1.0]))
     log_probs = sampling.target_log_probs(logits, sampling.SamplingParams.make(1.0))
     np.testing.assert_allclose(np.asarray(log_probs), np.asarray(jax.nn.log_softmax(logits)), atol=1e-6)
+
+
+def _cond_depths_of_sorts(jaxpr, depth: int = 0) -> list[int]:
+    """For every sort in a jaxpr (nested calls included): how many cond branches it sits inside."""
+    depths = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sort":
+            depths.append(depth)
+        inner = depth + (eqn.primitive.name == "cond")
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            depths += _cond_depths_of_sorts(sub, inner)
+    return depths
+
+
+def test_row_keys_keep_the_full_sort_behind_its_own_branch():
+    # The sort must sit behind two branches: "is there a filter at all" and "does some row's nucleus
+    # overflow the candidates". Drawing per row under vmap batches the second predicate, which turns that
+    # cond into a select that sorts the whole vocabulary at every decode step (it halved batched decoding).
+    logits = jnp.asarray(rows([8.0, 8.0, 8.0]))
+    keys = jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32))
+    params = sampling.SamplingParams.make(0.7, 0, 0.9)
+    depths = _cond_depths_of_sorts(jax.make_jaxpr(sampling.sample)(keys, logits, params).jaxpr)
+    assert depths and min(depths) >= 2, depths
+    per_row = jax.vmap(lambda k, lg: sampling.sample(k, lg, params))
+    assert min(_cond_depths_of_sorts(jax.make_jaxpr(per_row)(keys, logits).jaxpr)) == 1  # the regression
+
+
+def test_row_keys_draw_each_row_from_its_own_key():
+    logits = jnp.asarray(rows([0.5, 0.5, 0.5]))
+    keys = jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32))
+    params = sampling.SamplingParams.make(1.0)
+    together = sampling.sample(keys, logits, params)
+    alone = [sampling.sample(keys[i : i + 1], logits[i : i + 1], params)[0] for i in range(3)]
+    assert together.tolist() == [int(a) for a in alone]
