@@ -47,7 +47,7 @@ class Drafter:
     def save(self, path: str | Path, dtype: str = "float32") -> None:
         """Writes the drafter in the official DFlash layout (see dflax.drafters.checkpoint)."""
         target_layers = self.proposer.target.config.num_layers
-        save_drafter(path, self.config, self.params, target_layers, dtype)
+        save_drafter(path, self.config, self.params, target_layers, dtype, self.proposer.draft_vocab)
 
 
 def load_drafter(
@@ -83,7 +83,7 @@ def load_drafter(
         name_or_path = shipped
     if str(name_or_path) == UNTRAINED:
         config = DFlashConfig.for_target(target.config)
-        params = None
+        params, draft_vocab = None, None
     else:
         path = Path(name_or_path).expanduser()
         if not path.exists():
@@ -91,12 +91,14 @@ def load_drafter(
                 f"drafter {name_or_path!r} not found: give a drafter directory (config.json + "
                 f"*.safetensors) or {UNTRAINED!r}"
             )
-        config, params = load_drafter_checkpoint(path, dtype)
+        config, params, draft_vocab = load_drafter_checkpoint(path, dtype)
     config.check_target(target.config)
     module = DFlashDrafter(config, dtype, target.module.attention_backend)
     if params is None:
         params = init_drafter_params(module, seed)
-    proposer = DFlashProposer(module, target.module, block_size or config.block_size, draft_sampling)
+    proposer = DFlashProposer(
+        module, target.module, block_size or config.block_size, draft_sampling, draft_vocab
+    )
     drafter = Drafter(str(name_or_path), config, params, proposer)
     return drafter.with_block_size(proposer.block_size)
 

@@ -8,8 +8,9 @@ A drafter directory holds:
   `layers.N.mlp.{gate,up,down}_proj.weight`, `layers.N.{input,post_attention}_layernorm.weight`,
   `fc.weight`, `hidden_norm.weight`, `norm.weight`. The embedding and LM head are the target's and are
   not stored.
-dflax extension: a drafter with a learned mask stores `mask_embedding` [hidden] and
-`dflash_config.mask_token_id: null`. Weights are saved as float32 or bfloat16 (`dtype`).
+dflax extensions: a drafter with a learned mask stores `mask_embedding` [hidden] and
+`dflash_config.mask_token_id: null`; a drafter with a pruned vocabulary (dflax.drafters.draft_vocab) stores
+its token ids as the int32 tensor `draft_vocab` [V']. Weights are saved as float32 or bfloat16 (`dtype`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import numpy as np
 
 from dflax.checkpoints.params import CheckpointError, map_tensors, param_shapes
 from dflax.drafters.dflash import DFlashConfig, DFlashDrafter, init_drafter_params
+from dflax.drafters.draft_vocab import check_draft_vocab
 from dflax.models.config import ModelConfig
+
+DRAFT_VOCAB = "draft_vocab"
 
 
 def config_to_json(config: DFlashConfig, num_target_layers: int) -> dict:
@@ -80,7 +84,12 @@ def _hf_name(path: tuple[str, ...]) -> str:
 
 
 def save_drafter(
-    path: str | Path, config: DFlashConfig, params: dict, num_target_layers: int, dtype: str = "float32"
+    path: str | Path,
+    config: DFlashConfig,
+    params: dict,
+    num_target_layers: int,
+    dtype: str = "float32",
+    draft_vocab: np.ndarray | None = None,
 ) -> None:
     """Writes config.json + model.safetensors in the official layout (see the module docstring)."""
     from safetensors.numpy import save_file
@@ -90,12 +99,16 @@ def save_drafter(
     path.mkdir(parents=True, exist_ok=True)
     flat = flax.traverse_util.flatten_dict(params["params"])
     tensors = {_hf_name(p): np.asarray(jax.device_get(v)).astype(np_dtype) for p, v in flat.items()}
+    if draft_vocab is not None:
+        tensors[DRAFT_VOCAB] = check_draft_vocab(draft_vocab, config.layers.vocab_size)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "dflax-dflash"})
     (path / "config.json").write_text(json.dumps(config_to_json(config, num_target_layers), indent=2) + "\n")
 
 
-def load_drafter_checkpoint(path: str | Path, dtype: jnp.dtype) -> tuple[DFlashConfig, dict]:
-    """Reads a drafter directory.
+def load_drafter_checkpoint(
+    path: str | Path, dtype: jnp.dtype
+) -> tuple[DFlashConfig, dict, np.ndarray | None]:
+    """Reads a drafter directory: its config, parameters and draft vocabulary (None = the whole one).
 
     Raises:
       FileNotFoundError: when config.json or the safetensors are missing.
@@ -114,6 +127,12 @@ def load_drafter_checkpoint(path: str | Path, dtype: jnp.dtype) -> tuple[DFlashC
     for file in files:
         with safe_open(str(file), framework="flax") as f:
             tensors.update({name: np.asarray(f.get_tensor(name)) for name in f.keys()})
+    draft_vocab = tensors.pop(DRAFT_VOCAB, None)
+    if draft_vocab is not None:
+        try:
+            draft_vocab = check_draft_vocab(draft_vocab, config.layers.vocab_size)
+        except ValueError as err:
+            raise CheckpointError(f"{path}: tensor {DRAFT_VOCAB!r}: {err}") from None
     module = DFlashDrafter(config, dtype)
     expected = param_shapes(jax.eval_shape(lambda: init_drafter_params(module)))
-    return config, map_tensors(expected, tensors, dtype, "DFlash drafter")
+    return config, map_tensors(expected, tensors, dtype, "DFlash drafter"), draft_vocab

@@ -18,12 +18,13 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflax.models.config import ModelConfig
 from dflax.models.layers import Linear, RMSNorm
 from dflax.models.transformer import DecoderLayer, Transformer
 from dflax.spec.cache import KVCache, write_rows
-from dflax.spec.sampling import SamplingParams, categorical, target_log_probs
+from dflax.spec.sampling import NEG_INF, SamplingParams, categorical, target_log_probs
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[int, ...]:
@@ -210,12 +211,15 @@ class DFlashProposer:
       target: the target module whose embedding and LM head the drafter shares.
       block_size: B used at decode time (<= the trained block size works; 8 and 16 are typical).
       draft_sampling: greedy drafts (delta rule) or sampled drafts (ratio rule).
+      draft_vocab: [V'] int32 target token ids the drafter reads out (see dflax.drafters.draft_vocab);
+        None = the whole vocabulary.
     """
 
     module: DFlashDrafter
     target: Transformer
     block_size: int
     draft_sampling: DraftSampling = DraftSampling()
+    draft_vocab: np.ndarray | None = None
 
     @property
     def num_draft(self) -> int:
@@ -282,12 +286,26 @@ class DFlashProposer:
         hidden = self.draft_hidden(
             params, target_params, state.last_token, state.cache.lengths, state.drafter_state
         )  # [B, n + 1, D]
-        logits = self.target.apply(target_params, hidden[:, 1:], method=Transformer.logits)  # [B, n, V]
+        logits = self.draft_logits(target_params, hidden[:, 1:])  # [B, n, V']
         if self.draft_sampling.mode == "greedy":
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            return self.token_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
         q_params = SamplingParams.make(self.draft_sampling.temperature)
-        log_q = target_log_probs(logits, q_params)  # [B, n, V]
-        return categorical(keys, log_q), log_q
+        log_q = target_log_probs(logits, q_params)  # [B, n, V']
+        drafts = self.token_ids(categorical(keys, log_q))
+        if self.draft_vocab is not None:  # the ratio rule reads q over the whole vocabulary: 0 outside
+            full = jnp.full(log_q.shape[:-1] + (self.target.config.vocab_size,), NEG_INF, log_q.dtype)
+            log_q = full.at[..., jnp.asarray(self.draft_vocab)].set(log_q)  # [B, n, V]
+        return drafts, log_q
+
+    def draft_logits(self, target_params, hidden: jax.Array) -> jax.Array:
+        """The read-out through the target's LM head: [..., D] -> [..., V'] float32 logits over the draft
+        vocabulary (all V tokens without one)."""
+        ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab)
+        return self.target.apply(target_params, hidden, ids, method=Transformer.logits)
+
+    def token_ids(self, index: jax.Array) -> jax.Array:
+        """Draft-vocabulary indices -> target token ids (the identity without a draft vocabulary)."""
+        return index if self.draft_vocab is None else jnp.take(jnp.asarray(self.draft_vocab), index)
 
 
 def init_drafter_params(module: DFlashDrafter, seed: int = 0) -> dict:

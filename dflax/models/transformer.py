@@ -163,9 +163,19 @@ class Transformer(nn.Module):
         cache = cache.replace(k=tuple(ks), v=tuple(vs))
         return self.norm(x), cache, tuple(taps[i] for i in tap_layers)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """Read-out [..., D] -> float32 logits [..., V] (with Gemma's final soft cap if configured)."""
-        if self.config.tie_word_embeddings:
+    def logits(self, hidden: jax.Array, vocab_ids: jax.Array | None = None) -> jax.Array:
+        """Read-out [..., D] -> float32 logits [..., V] (with Gemma's final soft cap if configured).
+
+        With `vocab_ids` [V'] only those tokens are read out: [..., V'] logits equal to the full logits at
+        vocab_ids, at V' / V of the cost (a drafter's pruned vocabulary).
+        """
+        tied = self.config.tie_word_embeddings
+        if vocab_ids is not None:
+            weight = (
+                self.embed_tokens.weight if tied else self.lm_head.variables["params"]["weight"]
+            )  # [V, D]
+            out = jnp.einsum("...d,vd->...v", hidden, jnp.take(weight, vocab_ids, axis=0))
+        elif tied:
             out = self.embed_tokens.attend(hidden)
         else:
             out = self.lm_head(hidden)

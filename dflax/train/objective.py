@@ -15,11 +15,15 @@ n = B - 1 drafted positions, D width, V vocabulary. All shapes are static; varia
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer
+from dflax.drafters.draft_vocab import vocab_index
 from dflax.models.transformer import Transformer
 from dflax.spec.cache import KVCache
 
@@ -167,22 +171,21 @@ def block_hidden(proposer: DFlashProposer, params, target_params, features: jax.
 
 
 def token_scores(
-    target: Transformer, target_params, hidden: jax.Array, labels: jax.Array, chunk_rows: int
+    readout: Callable[[jax.Array], jax.Array], hidden: jax.Array, labels: jax.Array, chunk_rows: int
 ) -> tuple[jax.Array, jax.Array]:
     """Cross-entropy and greedy correctness of the drafted positions, `chunk_rows` rows of logits at a time.
 
-    Each chunk's [chunk_rows, n, V] logits are recomputed in the backward pass instead of stored, so the
+    Each chunk's [chunk_rows, n, V'] logits are recomputed in the backward pass instead of stored, so the
     LM head's memory is one chunk's, not R rows'.
 
     Args:
-      target: the target module (its LM head).
-      target_params: its frozen parameters.
+      readout: the drafter's LM head, [C, n, D] -> [C, n, V'] logits (`DFlashProposer.draft_logits`).
       hidden: [R, B, D] drafter hidden states.
-      labels: [R, n] int32.
+      labels: [R, n] int32 indices into the read-out's V' tokens; -1 = a token it cannot draft.
       chunk_rows: rows per LM-head chunk.
 
     Returns:
-      (ce [R, n] float32, correct [R, n] bool: argmax == label).
+      (ce [R, n] float32, meaningless where labels is -1; correct [R, n] bool: argmax == label).
     """
     rows, n = labels.shape
     chunks = -(-rows // chunk_rows)
@@ -193,8 +196,8 @@ def token_scores(
     @jax.checkpoint
     def score(args):
         h_c, y_c = args  # [C, n, D], [C, n]
-        logits = target.apply(target_params, h_c, method=Transformer.logits)  # [C, n, V] float32
-        picked = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]  # [C, n]
+        logits = readout(h_c)  # [C, n, V'] float32
+        picked = jnp.take_along_axis(logits, jnp.maximum(y_c, 0)[..., None], axis=-1)[..., 0]  # [C, n]
         ce = jax.nn.logsumexp(logits, axis=-1) - picked
         return ce, jnp.argmax(logits, axis=-1) == y_c
 
@@ -269,11 +272,17 @@ def dflash_loss(
       chunk_rows: LM-head rows per chunk.
 
     Returns:
-      (loss: sum_k w_k * ce * valid / sum_k w_k * valid, the batch's BlockStats).
+      (loss: sum_k w_k * ce * valid / sum_k w_k * valid, the batch's BlockStats). With a draft vocabulary,
+      labels outside it carry no loss and count as wrong drafts in the stats.
     """
     target_params = jax.lax.stop_gradient(target_params)
     hidden = block_hidden(proposer, params, target_params, features, blocks)  # [R, B, D]
-    ce, correct = token_scores(proposer.target, target_params, hidden, blocks.labels, chunk_rows)  # [R, n]
-    w = weights[None, :] * blocks.valid  # [R, n]
+    labels = blocks.labels  # [R, n] target token ids
+    if proposer.draft_vocab is not None:
+        index = vocab_index(proposer.draft_vocab, proposer.target.config.vocab_size)  # [V]
+        labels = jnp.take(jnp.asarray(index), labels)  # [R, n] draft-vocabulary indices, -1 outside
+    readout = functools.partial(proposer.draft_logits, target_params)
+    ce, correct = token_scores(readout, hidden, labels, chunk_rows)  # [R, n]
+    w = weights[None, :] * (blocks.valid & (labels >= 0))  # [R, n]
     loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-9)
     return loss, block_stats(correct, blocks.valid)

@@ -46,6 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflax.drafters.checkpoint import save_drafter
 from dflax.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, init_drafter_params
+from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.models.transformer import Transformer
 from dflax.target import Target
 from dflax.train import objective
@@ -54,7 +55,15 @@ from dflax.train.recipe import read_recipe
 from dflax.train.target_init import init_from_target
 
 # What a checkpoint must share with the run it resumes: the start, the data order and the anchors.
-_ORDER_FIELDS = ("seed", "init", "batch_size", "max_seq_len", "anchors_per_seq", "block_size")
+_ORDER_FIELDS = (
+    "seed",
+    "init",
+    "batch_size",
+    "max_seq_len",
+    "anchors_per_seq",
+    "block_size",
+    "draft_vocab_size",
+)
 
 # How a run's drafter starts: random weights, or the target's last layers (dflax.train.target_init).
 INITS = ("random", "target")
@@ -73,6 +82,8 @@ class TrainConfig:
       mask_token_id: a target token used as the mask; None = a learned mask embedding.
       feature_norm: RMS-normalize each tapped layer's features before the drafter's fc (see DFlashConfig).
       init: "random", or "target" to start from the target's last layers (see dflax.train.target_init).
+      draft_vocab_size: V', the drafter reads out only the V' most frequent tokens of the training
+        responses (dflax.drafters.draft_vocab); 0 = the target's whole vocabulary.
       anchors_per_seq: M random anchors (blocks) per sequence per step.
       max_seq_len: S, sequences are truncated / padded to this length.
       batch_size: sequences per step (R = batch_size * anchors_per_seq block rows).
@@ -101,6 +112,7 @@ class TrainConfig:
     mask_token_id: int | None = None
     feature_norm: bool = False
     init: str = "random"
+    draft_vocab_size: int = 0
     anchors_per_seq: int = 32
     max_seq_len: int = 384
     batch_size: int = 4
@@ -133,6 +145,11 @@ class TrainConfig:
             raise ValueError(
                 f"training config: max_seq_len {self.max_seq_len} is shorter than a block "
                 f"({self.block_size}); raise max_seq_len"
+            )
+        if self.draft_vocab_size < 0:
+            raise ValueError(
+                "training config: draft_vocab_size must be >= 0 (0 = the whole vocabulary), "
+                f"got {self.draft_vocab_size}"
             )
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"training config: steps must be >= 1 or null, got {self.steps}")
@@ -334,14 +351,22 @@ class _Programs:
 
 
 @functools.lru_cache(maxsize=4)
-def _programs(dflash: DFlashConfig, target: Transformer, config: TrainConfig, total_steps: int) -> _Programs:
-    """The programs of a run, built once per (drafter, target module, recipe, schedule length).
+def _programs(
+    dflash: DFlashConfig,
+    target: Transformer,
+    config: TrainConfig,
+    total_steps: int,
+    draft_vocab: tuple[int, ...] | None,
+) -> _Programs:
+    """The programs of a run, built once per (drafter, target module, recipe, schedule, draft vocabulary).
 
     Later `train` calls in the same process (a resume, a notebook) reuse the compiled steps.
     """
     module = DFlashDrafter(dflash, jnp.float32, attention_backend="reference")
     tx = make_optimizer(config, total_steps)
-    train_step, eval_step = make_steps(DFlashProposer(module, target, config.block_size), config, tx)
+    vocab = None if draft_vocab is None else np.asarray(draft_vocab, np.int32)
+    proposer = DFlashProposer(module, target, config.block_size, draft_vocab=vocab)
+    train_step, eval_step = make_steps(proposer, config, tx)
     taps = dflash.target_layer_ids
     features = jax.jit(
         lambda params, tokens: objective.target_features(target, params, tokens, taps).astype(jnp.bfloat16)
@@ -503,7 +528,14 @@ def train(
     )
     dflash = config.drafter_config(target)
     dflash.check_target(target.config)
-    programs = _programs(dflash, target.module, config, total_steps)
+    draft_vocab = None
+    if config.draft_vocab_size:
+        # What the drafter is trained to draft: the responses, as truncated to max_seq_len.
+        responses = ((t[:n], p) for t, p, n in zip(data.tokens, data.prompt_lens, data.lengths))
+        draft_vocab = frequent_tokens(responses, config.draft_vocab_size, target.config.vocab_size)
+        console.print(f"draft vocabulary: the {len(draft_vocab)} most frequent response tokens")
+    vocab_key = None if draft_vocab is None else tuple(draft_vocab.tolist())
+    programs = _programs(dflash, target.module, config, total_steps, vocab_key)
     state = _initial_state(programs.module, programs.tx, config, target)
 
     ckpt_dir = out_dir / "checkpoints"
@@ -594,6 +626,6 @@ def train(
         console.print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, rerun to resume")
         return TrainResult(step, total_steps, stop.signum, params, None, log)
     drafter_dir = out_dir / "drafter"
-    save_drafter(drafter_dir, dflash, params, target.config.num_layers, config.export_dtype)
+    save_drafter(drafter_dir, dflash, params, target.config.num_layers, config.export_dtype, draft_vocab)
     console.print(f"drafter ({config.export_dtype}) written to {drafter_dir}")
     return TrainResult(step, total_steps, None, params, drafter_dir, log)

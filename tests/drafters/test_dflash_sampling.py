@@ -7,6 +7,8 @@ delta rule (greedy drafts) and by the ratio rule (drafts sampled from q), must m
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,8 +64,20 @@ def sampled_counts(target, sampling, drafter) -> dict[tuple[int, ...], int]:
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_speculative_sampling_matches_target(target, mode, temperature, top_p):
-    sampling = SamplingParams.make(temperature=temperature, top_k=3, top_p=top_p)
     drafter = load_drafter("untrained", target, block_size=4, draft_sampling=DraftSampling(mode, 1.0))
+    assert_matches_target(target, SamplingParams.make(temperature=temperature, top_k=3, top_p=top_p), drafter)
+
+
+def test_sampled_drafts_from_a_draft_vocabulary_match_target(target):
+    """q is zero outside the draft vocabulary (half the tokens here); the ratio rule must stay exact."""
+    drafter = load_drafter("untrained", target, block_size=4, draft_sampling=DraftSampling("sample", 1.0))
+    vocab = np.arange(0, target.config.vocab_size, 2, dtype=np.int32)
+    drafter = dataclasses.replace(drafter, proposer=dataclasses.replace(drafter.proposer, draft_vocab=vocab))
+    assert_matches_target(target, SamplingParams.make(temperature=1.0, top_k=3), drafter)
+
+
+def assert_matches_target(target, sampling, drafter):
+    """Chi-square test of the sampled 3-token continuations against their exact probabilities."""
     exact = exact_distribution(target, sampling)
     counts = sampled_counts(target, sampling, drafter)
     assert set(counts) <= set(exact), "generated a sequence the target cannot produce"

@@ -25,6 +25,7 @@ import dflax
 from dflax.cli import app
 from dflax.drafters import load_drafter, shipped_drafter_path
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, init_drafter_params
+from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.generation import encode_prompt
 from dflax.models.transformer import Transformer
 from dflax.train import objective
@@ -176,6 +177,42 @@ def test_loss_weights_and_masking_beyond_the_sequence_end(target):
     blocks_t = objective.make_blocks(jax.random.key(0), jnp.asarray(tail), prompt_lens, lengths, 8, n)
     loss_t, _ = loss_of(proposer, params, target.params, features_t, blocks_t, weights, 5)
     np.testing.assert_allclose(loss_t, loss, rtol=1e-6)
+
+
+def test_draft_vocabulary_loss_reads_out_its_tokens_and_skips_the_others(target):
+    proposer, params = tiny_proposer(target)
+    n, s = 7, 32
+    tokens = np.random.default_rng(2).integers(3, 256, (1, s)).astype(np.int32)
+    blocks = objective.make_blocks(
+        jax.random.key(0), jnp.asarray(tokens), jnp.asarray([4]), jnp.asarray([s]), 8, n
+    )
+    vocab = np.unique(np.asarray(blocks.labels))[::2].astype(np.int32)  # half of the labels' tokens
+    pruned = dataclasses.replace(proposer, draft_vocab=vocab)
+    features = features_of(target.module, target.params, jnp.asarray(tokens), proposer.tap_layers)
+    weights = objective.position_weights(8, 4.0)
+    loss, stats = loss_of(pruned, params, target.params, features, blocks, weights, 5)
+
+    logits = block_logits(proposer, params, target, features, blocks)[..., vocab]  # [R, n, V']
+    labels = np.asarray(blocks.labels)
+    inside = np.isin(labels, vocab)
+    assert inside.any() and not inside.all()
+    index = np.searchsorted(vocab, np.where(inside, labels, vocab[0]))
+    ce = jax.nn.logsumexp(logits, -1) - np.take_along_axis(logits, index[..., None], -1)[..., 0]
+    w = np.asarray(weights)[None] * np.asarray(blocks.valid) * inside
+    np.testing.assert_allclose(loss, (w * ce).sum() / w.sum(), rtol=1e-5)
+    correct = inside & (logits.argmax(-1) == index)  # a label outside the vocabulary is a wrong draft
+    np.testing.assert_array_equal(stats.correct, (correct & np.asarray(blocks.valid)).sum(0))
+
+
+def test_training_with_a_draft_vocabulary_exports_it(target, prompts, sequences, tmp_path):
+    config = dataclasses.replace(TINY, steps=10, draft_vocab_size=64, validate_every=10)
+    result = train(config, target, sequences[:32], sequences[32:], tmp_path, console=QUIET)
+    drafter = load_drafter(result.drafter_dir, target)
+    responses = [(ids[:64], p) for ids, p in sequences[:32]]  # as truncated to max_seq_len
+    np.testing.assert_array_equal(drafter.proposer.draft_vocab, frequent_tokens(responses, 64, 256))
+    plain = dflax.generate(target, prompts[32:36], max_new_tokens=16, batch_size=4)
+    spec = dflax.generate(target, prompts[32:36], max_new_tokens=16, batch_size=4, drafter=drafter)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
 
 
 def test_acceptance_is_the_cumulative_product_of_conditional_accuracy():
