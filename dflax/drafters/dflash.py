@@ -6,7 +6,8 @@ bidirectional, and every layer also attends to the context: the target's hidden 
 layers, concatenated per token, fused by fc -> RMSNorm, and projected by that layer's own k/v projections
 (KV injection). The drafter keeps these projected context keys/values in its own KV cache and extends it
 each step only with the newly committed tokens, whose target features come free from the verify pass.
-Embedding and LM head are the target's, shared and frozen; draft token k is read at block position k.
+Embedding and LM head are the target's, shared and frozen; draft token k is read at block position k,
+optionally over a pruned draft vocabulary (dflax.drafters.draft_vocab).
 
 Glossary: B batch, T tokens, D width, K fused target layers, V vocabulary, n = block_size - 1 drafts.
 """
