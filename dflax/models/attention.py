@@ -16,9 +16,10 @@ import jax.numpy as jnp
 
 from dflax.models.config import RopeScaling
 from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
+from dflax.spec.cache import write_rows
 from pallas_kernels.tree_attention import tree_attention
 
-ATTENTION_BACKENDS = ("reference", "pallas", "pallas_interpret", "auto")
+ATTENTION_BACKENDS = ("reference", "chunked", "pallas", "pallas_interpret", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +40,9 @@ class AttentionConfig:
       norm_eps: epsilon of the q/k norms.
       gemma_norm: q/k norms use Gemma's (1 + w) scale.
       sliding_window: keys older than this many positions are invisible (None = global).
-      backend: "reference" (jnp), "pallas" (Pallas on TPU/GPU), "pallas_interpret" (Pallas in interpret
-        mode: CPU tests), "auto" (Pallas on TPU/GPU, reference on CPU).
+      backend: "reference" (dense jnp, the specification), "chunked" (jnp whose cost follows the filled
+        cache: the CPU path), "pallas" (Pallas on TPU/GPU), "pallas_interpret" (Pallas in interpret
+        mode: CPU tests), "auto" (Pallas on TPU/GPU, chunked on CPU).
     """
 
     hidden_size: int
@@ -74,7 +76,7 @@ def _kernel_backend(setting: str) -> tuple[str, bool]:
             "attention_backend='pallas' needs a TPU or GPU; on CPU use 'reference' (fast) or "
             "'pallas_interpret' (runs the kernel in interpret mode, for tests)"
         )
-    return ("reference" if setting == "reference" else "auto"), False
+    return (setting if setting in ("reference", "chunked") else "auto"), False
 
 
 def attend(
@@ -87,6 +89,7 @@ def attend(
     v_new: jax.Array,
     new_mask: jax.Array,
     q_positions: jax.Array,
+    causal: bool = False,
 ) -> jax.Array:
     """Prefix + new-token attention through the configured backend.
 
@@ -98,6 +101,7 @@ def attend(
       k_new, v_new: [B, T, K, H] keys/values of the new tokens.
       new_mask: [B, T, T] bool, query i may see new token j.
       q_positions: [B, T] int32 absolute positions of the new tokens.
+      causal: static promise that new_mask is lower-triangular (lets the CPU path skip work).
 
     Returns:
       [B, T, N, H] attention output in q's dtype.
@@ -116,14 +120,17 @@ def attend(
         q_positions=q_positions,
         backend=backend,
         interpret=interpret,
+        causal=causal,
     )
 
 
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, optional q/k-norm and biases, reading a static KV cache.
 
-    The layer never mutates the cache: it returns the new tokens' keys and values and the caller writes
-    them at each row's cache length (see `dflax.spec.cache`).
+    With `write_cache` the layer writes the new tokens' keys and values at each row's cache length BEFORE
+    attending, and attends to the written buffers: the write then has no reader of the old buffer to wait
+    for, so XLA updates the (donated) cache in place instead of copying it every layer and step. Slots
+    from the cache length on are still never read; the new tokens are attended from k_new/v_new.
     """
 
     cfg: AttentionConfig
@@ -160,6 +167,9 @@ class Attention(nn.Module):
         v_cache: jax.Array,
         cache_len: jax.Array,
         new_mask: jax.Array,
+        write_cache: bool = False,
+        empty_cache: bool = False,
+        causal: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attends x's tokens to the cache and to each other.
 
@@ -169,9 +179,13 @@ class Attention(nn.Module):
           k_cache, v_cache: [B, S, K, H].
           cache_len: [B] int32.
           new_mask: [B, T, T] bool.
+          write_cache: static; write the new keys/values at slots [cache_len, cache_len + T) of the cache.
+          empty_cache: static promise that every cache_len is 0: attention skips the cache.
+          causal: static promise that new_mask is lower-triangular.
 
         Returns:
-          (out [B, T, D], k_new [B, T, K, H], v_new [B, T, K, H]).
+          (out [B, T, D], k_cache, v_cache [B, S, K, H] with the new tokens written when `write_cache`,
+          else as given).
         """
         cfg = self.cfg
         b, t, _ = x.shape
@@ -180,5 +194,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)
         q = apply_rope(q, positions, self._inv_freq())
         k, v = self.project_kv(x, positions)  # [B, T, K, H]
-        out = attend(cfg, q, k_cache, v_cache, cache_len, k, v, new_mask, positions)  # [B, T, N, H]
-        return self.o_proj(out.reshape(b, t, -1)), k, v
+        if write_cache:
+            k_cache, v_cache = write_rows(k_cache, k, cache_len), write_rows(v_cache, v, cache_len)
+        k_read, v_read = (k_cache[:, :0], v_cache[:, :0]) if empty_cache else (k_cache, v_cache)
+        out = attend(cfg, q, k_read, v_read, cache_len, k, v, new_mask, positions, causal)  # [B, T, N, H]
+        return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from dflax.models.attention import Attention, AttentionConfig
 from dflax.models.config import ModelConfig
 from dflax.models.layers import GatedMLP, Linear, RMSNorm
-from dflax.spec.cache import KVCache, write_rows
+from dflax.spec.cache import KVCache
 
 
 def attention_config(config: ModelConfig, layer_idx: int, backend: str = "auto") -> AttentionConfig:
@@ -81,10 +81,29 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def __call__(self, x, positions, k_cache, v_cache, cache_len, new_mask):
-        """x [B, T, D] -> (x [B, T, D], k_new [B, T, K, H], v_new [B, T, K, H])."""
-        h, k_new, v_new = self.self_attn(
-            self.input_layernorm(x), positions, k_cache, v_cache, cache_len, new_mask
+    def __call__(
+        self,
+        x,
+        positions,
+        k_cache,
+        v_cache,
+        cache_len,
+        new_mask,
+        write_cache: bool = False,
+        empty_cache: bool = False,
+        causal: bool = False,
+    ):
+        """x [B, T, D] -> (x [B, T, D], k_cache, v_cache [B, S, K, H]); see `Attention.__call__`."""
+        h, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(x),
+            positions,
+            k_cache,
+            v_cache,
+            cache_len,
+            new_mask,
+            write_cache=write_cache,
+            empty_cache=empty_cache,
+            causal=causal,
         )
         if self.config.is_gemma:
             x = x + self.post_attention_layernorm(h)
@@ -92,7 +111,7 @@ class DecoderLayer(nn.Module):
         else:
             x = x + h
             x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_new, v_new
+        return x, k_cache, v_cache
 
 
 class Transformer(nn.Module):
@@ -141,7 +160,8 @@ class Transformer(nn.Module):
           positions: [B, T] int32 their absolute positions.
           cache: the KV cache; the new tokens' K/V are written at slots [lengths, lengths + T).
             `lengths` is NOT advanced: committing is the caller's decision.
-          new_mask: [B, T, T] bool, which new tokens each new token sees (causal for a chain).
+          new_mask: [B, T, T] bool, which new tokens each new token sees; lower-triangular (a prompt, a
+            chain, or a tree in topological order), which lets the CPU attention skip work.
           tap_layers: layer ids whose OUTPUT hidden states to return (HF hidden_states[l + 1]).
           empty_cache: static promise that every row's cache length is 0 (prefill): attention then
             skips the cache instead of scoring and masking all of its slots.
@@ -152,12 +172,19 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         ks, vs, taps = [], [], {}
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = cache.k[i], cache.v[i]
-            if empty_cache:
-                k_cache, v_cache = k_cache[:, :0], v_cache[:, :0]  # [B, 0, K, H]
-            x, k_new, v_new = layer(x, positions, k_cache, v_cache, cache.lengths, new_mask)
-            ks.append(write_rows(cache.k[i], k_new, cache.lengths))
-            vs.append(write_rows(cache.v[i], v_new, cache.lengths))
+            x, k_cache, v_cache = layer(
+                x,
+                positions,
+                cache.k[i],
+                cache.v[i],
+                cache.lengths,
+                new_mask,
+                write_cache=True,
+                empty_cache=empty_cache,
+                causal=True,
+            )
+            ks.append(k_cache)
+            vs.append(v_cache)
             if i in tap_layers:
                 taps[i] = x
         cache = cache.replace(k=tuple(ks), v=tuple(vs))

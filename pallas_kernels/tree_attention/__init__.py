@@ -1,8 +1,10 @@
-"""Prefix + tree attention for speculative verification: jnp reference, TPU and GPU Pallas kernels.
+"""Prefix + tree attention for speculative verification: jnp reference, chunked jnp (CPU), TPU and GPU
+Pallas kernels.
 
 `tree_attention` is the one entry point; `backend` picks the implementation.
 """
 
+from pallas_kernels.tree_attention.chunked import tree_attention_chunked
 from pallas_kernels.tree_attention.gpu import BlockSizes as GpuBlockSizes
 from pallas_kernels.tree_attention.gpu import tree_attention_gpu
 from pallas_kernels.tree_attention.ops import BACKENDS, resolve_backend, tree_attention
@@ -17,6 +19,7 @@ __all__ = [
     "resolve_backend",
     # Implementations (same signature as `tree_attention` minus `backend`).
     "tree_attention_reference",
+    "tree_attention_chunked",
     "tree_attention_tpu",
     "tree_attention_gpu",
     # Tile sizes.

@@ -8,19 +8,20 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.tree_attention import gpu, tpu
+from pallas_kernels.tree_attention.chunked import tree_attention_chunked
 from pallas_kernels.tree_attention.reference import check_inputs, tree_attention_reference
 
-BACKENDS = ("auto", "reference", "tpu", "gpu")
+BACKENDS = ("auto", "reference", "chunked", "tpu", "gpu")
 
 
 def resolve_backend(backend: str) -> str:
-    """'auto' -> 'tpu' / 'gpu' by `jax.default_backend()`, else 'reference'; other names pass through."""
+    """'auto' -> 'tpu' / 'gpu' by `jax.default_backend()`, else 'chunked'; other names pass through."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} unknown; choose one of {BACKENDS}")
     if backend != "auto":
         return backend
     platform = jax.default_backend()
-    return platform if platform in ("tpu", "gpu") else "reference"
+    return platform if platform in ("tpu", "gpu") else "chunked"
 
 
 @functools.partial(
@@ -32,6 +33,7 @@ def resolve_backend(backend: str) -> str:
         "backend",
         "interpret",
         "block_sizes",
+        "causal",
     ),
 )
 def tree_attention(
@@ -50,6 +52,7 @@ def tree_attention(
     backend: str = "auto",
     interpret=False,
     block_sizes: tpu.BlockSizes | gpu.BlockSizes | None = None,
+    causal: bool = False,
 ) -> jax.Array:
     """Attention of n new tokens to a cached prefix and to each other under a tree mask.
 
@@ -72,11 +75,14 @@ def tree_attention(
       sliding_window: python int w; a key at position kp is visible to a query at qp only if qp - kp < w.
       logit_soft_cap: c; logits -> c * tanh(logits / c) after scaling.
       q_positions: [B, T] int positions of the new tokens; default cache_len[:, None] + arange(T).
-      backend: "reference" (jnp, any platform), "tpu" (Pallas Mosaic), "gpu" (Pallas Triton), or "auto"
-        (by `jax.default_backend()`: tpu, gpu, else reference).
+      backend: "reference" (dense jnp: the specification), "chunked" (jnp whose cost follows cache_len:
+        the CPU path), "tpu" (Pallas Mosaic), "gpu" (Pallas Triton), or "auto" (by
+        `jax.default_backend()`: tpu, gpu, else chunked).
       interpret: run the Pallas kernel in interpret mode (CPU). For "tpu", True means
         `pltpu.InterpretParams()`; an explicit InterpretParams is also accepted. Ignored by the reference.
       block_sizes: `tpu.BlockSizes` / `gpu.BlockSizes` for the matching backend; None = defaults.
+      causal: static promise that tree_mask[b, i, j] is False for j > i (prompts, chains, trees in
+        topological order); the chunked backend then skips the keys after each query block.
 
     Returns:
       [B, T, N, H] attention output in q's dtype (fp32 accumulation); rows that see no key are zero.
@@ -104,6 +110,8 @@ def tree_attention(
     )
     if resolved == "reference":
         return tree_attention_reference(*args, **options)
+    if resolved == "chunked":
+        return tree_attention_chunked(*args, **options, causal=causal)
     if k_cache.shape[1] == 0:  # an empty cache (prefill): the kernels tile over at least one slot
         pad = ((0, 0), (0, 1), (0, 0), (0, 0))
         args = (q, jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), jnp.zeros_like(cache_len), *args[4:])

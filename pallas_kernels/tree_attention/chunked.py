@@ -1,0 +1,159 @@
+"""Prefix + tree attention in jnp whose cost follows the filled cache, not its slots: the CPU path.
+
+The dense reference scores every cache slot and then masks the stale ones, so a cache of 1,024 slots with
+100 filled costs ten times the useful work, and its einsums copy (transpose) the whole [B, S, K, H] cache on
+every call. This implementation reads the prefix in chunks of `chunk` slots inside a `lax.fori_loop` that
+runs only up to the batch's longest row (and starts at the sliding window's first visible chunk), keeping a
+running max, denominator and accumulator per query (online softmax, as the kernels do). Only the chunk in
+flight is copied. The new tokens (a decode step, a verify chain or tree, a draft block, or a whole prompt)
+are scored in query blocks of `query_block` rows; under `causal=True` a block skips the keys after its last
+row, so a prefill does about half of the T^2 work and never holds a [T, T] score matrix for long prompts.
+
+Masking is by `where`, never by arithmetic on stale slots: a stale slot may hold anything (NaN included)
+and its value is replaced by zero before it meets a probability.
+
+Glossary of einsum letters: B batch, T new (query) tokens, U new key tokens, C slots of one chunk,
+K kv heads, G query heads per kv head, H head_dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.tree_attention.reference import (
+    MASK_VALUE,
+    check_inputs,
+    default_scale,
+    new_token_visibility,
+    query_positions,
+)
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def chunk_size(slots: int, t: int) -> int:
+    """Cache slots per chunk: small chunks waste little past the filled length, large ones loop less.
+
+    One query per row (decode) reads 64 slots a chunk; verify blocks and prompts, whose per-chunk work is
+    larger, read 128. Never more than the cache has.
+    """
+    return min(slots, 64 if t == 1 else 128)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "causal", "query_block")
+)
+def tree_attention_chunked(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_len: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    tree_mask: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    q_positions: jax.Array | None = None,
+    causal: bool = False,
+    query_block: int = 256,
+) -> jax.Array:
+    """`tree_attention_reference` with work proportional to the filled prefix (see the module doc).
+
+    Args:
+      q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, sm_scale, sliding_window, logit_soft_cap,
+        q_positions: as in `tree_attention_reference`.
+      causal: static promise that tree_mask[b, i, j] is False for j > i (prefill and chains; trees in
+        topological order too). Query blocks then skip the new keys after their last row.
+      query_block: new tokens per query block.
+
+    Returns:
+      [B, T, N, H] attention output in q's dtype (fp32 accumulation); rows that see no key are zero.
+    """
+    check_inputs(
+        q,
+        k_cache,
+        v_cache,
+        cache_len,
+        k_new,
+        v_new,
+        tree_mask,
+        q_positions=q_positions,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+    )
+    b, t, n, h = q.shape
+    s, kv = k_cache.shape[1], k_cache.shape[2]
+    g = n // kv
+    cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, s)
+    positions = query_positions(cache_len, t, q_positions)  # [B, T]
+    qf = q.astype(jnp.float32).reshape(b, t, kv, g, h) * default_scale(h, sm_scale)  # [B, T, K, G, H]
+
+    def cap(scores):
+        return scores if logit_soft_cap is None else logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
+
+    m = jnp.full((b, t, kv, g), MASK_VALUE, jnp.float32)  # running max
+    l = jnp.zeros((b, t, kv, g), jnp.float32)  # running denominator
+    acc = jnp.zeros((b, t, kv, g, h), jnp.float32)  # running numerator
+    if s:
+        m, l, acc = _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, (m, l, acc))
+
+    new_vis = new_token_visibility(tree_mask, positions, sliding_window)  # [B, T, U]
+    kn, vn = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
+    outs = []
+    for lo in range(0, t, query_block):
+        hi = min(t, lo + query_block)
+        keys = hi if causal else t  # new keys this block can see
+        state = (m[:, lo:hi], l[:, lo:hi], acc[:, lo:hi])
+        scores = cap(jnp.einsum("BTKGH,BUKH->BTKGU", qf[:, lo:hi], kn[:, :keys], precision=_HI))
+        vis = new_vis[:, lo:hi, None, None, :keys]  # [B, Tq, 1, 1, U]
+        _, lb, accb = _online_update(state, scores, vis, vn[:, :keys], "BTKGU,BUKH->BTKGH")
+        outs.append(accb * jnp.where(lb > 0, 1.0 / jnp.where(lb > 0, lb, 1.0), 0.0)[..., None])
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)  # [B, T, K, G, H]
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, state):
+    """Online softmax over the cache in chunks, from the window's first visible chunk to the longest row.
+
+    A chunk that would run past the end of the cache is moved back to end there (dynamic_slice clamps);
+    its slots already covered by the previous chunk are masked, so every slot counts once.
+    """
+    b, t = positions.shape
+    s = k_cache.shape[1]
+    c = chunk_size(s, t)
+    first = 0
+    if sliding_window is not None:  # slots before this are outside every query's window
+        first = jnp.maximum(jnp.min(positions) - sliding_window + 1, 0) // c
+    last = (jnp.max(cache_len) + c - 1) // c  # chunks [first, last) hold every filled slot
+
+    def body(i, state):
+        start = jnp.minimum(i * c, s - c)
+        kc = jax.lax.dynamic_slice_in_dim(k_cache, start, c, axis=1).astype(jnp.float32)  # [B, C, K, H]
+        vc = jax.lax.dynamic_slice_in_dim(v_cache, start, c, axis=1).astype(jnp.float32)
+        slots = start + jnp.arange(c, dtype=jnp.int32)  # [C]
+        filled = (slots[None, :] >= i * c) & (slots[None, :] < cache_len[:, None])  # [B, C]
+        vis = filled[:, None, :]  # [B, 1 or T, C]
+        if sliding_window is not None:
+            vis = vis & (positions[:, :, None] - slots[None, None, :] < sliding_window)
+        vc = jnp.where(filled[:, :, None, None], vc, 0.0)  # stale slots may hold NaN
+        scores = cap(jnp.einsum("BTKGH,BCKH->BTKGC", qf, kc, precision=_HI))
+        return _online_update(state, scores, vis[:, :, None, None, :], vc, "BTKGC,BCKH->BTKGH")
+
+    return jax.lax.fori_loop(first, last, body, state)
+
+
+def _online_update(state, scores, visible, values, mix):
+    """One online-softmax step: folds scores [B, T, K, G, X] (visible where `visible`) into the state."""
+    m, l, acc = state
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+    rescale = jnp.exp(m - m_new)
+    acc = acc * rescale[..., None] + jnp.einsum(mix, p, values, precision=_HI)
+    return m_new, l * rescale + p.sum(axis=-1), acc
