@@ -97,11 +97,14 @@ def tree_attention_chunked(
     def cap(scores):
         return scores if logit_soft_cap is None else logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
 
-    m = jnp.full((b, t, kv, g), MASK_VALUE, jnp.float32)  # running max
-    l = jnp.zeros((b, t, kv, g), jnp.float32)  # running denominator
-    acc = jnp.zeros((b, t, kv, g, h), jnp.float32)  # running numerator
+    state = (
+        jnp.full((b, t, kv, g), MASK_VALUE, jnp.float32),  # running max
+        jnp.zeros((b, t, kv, g), jnp.float32),  # running denominator
+        jnp.zeros((b, t, kv, g, h), jnp.float32),  # running numerator
+    )
     if s:
-        m, l, acc = _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, (m, l, acc))
+        state = _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, state)
+    m, denom, acc = state
 
     new_vis = new_token_visibility(tree_mask, positions, sliding_window)  # [B, T, U]
     kn, vn = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
@@ -109,7 +112,7 @@ def tree_attention_chunked(
     for lo in range(0, t, query_block):
         hi = min(t, lo + query_block)
         keys = hi if causal else t  # new keys this block can see
-        state = (m[:, lo:hi], l[:, lo:hi], acc[:, lo:hi])
+        state = (m[:, lo:hi], denom[:, lo:hi], acc[:, lo:hi])
         scores = cap(jnp.einsum("BTKGH,BUKH->BTKGU", qf[:, lo:hi], kn[:, :keys], precision=_HI))
         vis = new_vis[:, lo:hi, None, None, :keys]  # [B, Tq, 1, 1, U]
         _, lb, accb = _online_update(state, scores, vis, vn[:, :keys], "BTKGU,BUKH->BTKGH")
@@ -150,10 +153,10 @@ def _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, sta
 
 def _online_update(state, scores, visible, values, mix):
     """One online-softmax step: folds scores [B, T, K, G, X] (visible where `visible`) into the state."""
-    m, l, acc = state
+    m, denom, acc = state
     scores = jnp.where(visible, scores, MASK_VALUE)
     m_new = jnp.maximum(m, scores.max(axis=-1))
     p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
     rescale = jnp.exp(m - m_new)
     acc = acc * rescale[..., None] + jnp.einsum(mix, p, values, precision=_HI)
-    return m_new, l * rescale + p.sum(axis=-1), acc
+    return m_new, denom * rescale + p.sum(axis=-1), acc
