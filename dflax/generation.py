@@ -71,6 +71,14 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def packed_bucket(tokens: int, rows: int, length: int) -> int | None:
+    """The static pack size for `tokens` real prompt tokens of a [rows, length] bucket, or None when packing
+    would not save work. Sizes are multiples of an eighth of the next power of two (at least 16): at most
+    four sizes (compiles) per octave, at most 1.25x the need."""
+    size = _round_up(tokens, max(_MIN_PROMPT_BUCKET, _next_pow2(tokens) // 8))
+    return size if size < rows * length else None
+
+
 def fit_to_context(
     ids: list[int], max_new_tokens: int, context: int, truncate: bool, label: str
 ) -> list[int]:
@@ -107,7 +115,7 @@ def _compiled(target: Target, proposer: Proposer | None) -> tuple[Callable, Call
     if proposer not in per_target:
         prefill_fn = jax.jit(
             functools.partial(prefill, target.module, proposer=proposer),
-            static_argnames=("max_tokens",),
+            static_argnames=("max_tokens", "packed_tokens"),
             donate_argnames=("cache",),
         )
         decode_fn = jax.jit(
@@ -149,7 +157,8 @@ def generate_ids(
     bucket_p = max(_MIN_PROMPT_BUCKET, _next_pow2(longest))
     proposer = drafter.proposer if drafter else None
     drafter_params = drafter.params if drafter else None
-    # Headroom: a verify step writes n + 1 slots past the committed length.
+    # Headroom: a verify step writes n + 1 slots past the committed length. Slots follow the prompt
+    # bucket (one decode compile per bucket); empty slots cost nothing to the attention on any backend.
     slots = _round_up(bucket_p + max_new_tokens + (proposer.num_draft if proposer else 0) + 1, 64)
 
     tokens = np.zeros((bucket_b, bucket_p), np.int32)
@@ -159,6 +168,7 @@ def generate_ids(
     for r, ids in enumerate(prompt_ids):
         tokens[r, : len(ids)] = ids
         lens[r], budgets[r], seeds[r] = len(ids), 1 if warmup else max_new_tokens, row_seeds[r]
+    packed = packed_bucket(int(lens.sum()), bucket_b, bucket_p)
     row_keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
     cache = KVCache.init(target.config, bucket_b, slots, target.dtype)
     eos = jnp.asarray(target.eos_ids, jnp.int32)
@@ -176,6 +186,7 @@ def generate_ids(
         sampling,
         drafter_params,
         max_tokens=max_new_tokens,
+        packed_tokens=packed,
     )
     jax.block_until_ready(state)
     t1 = time.perf_counter()

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 
 from dflax.models.config import RopeScaling
 from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
+from dflax.models.packing import Packing
 from dflax.spec.cache import write_rows
-from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention import resolve_backend, tree_attention
+from pallas_kernels.tree_attention.packed import packed_causal_attention
 
 ATTENTION_BACKENDS = ("reference", "chunked", "pallas", "pallas_interpret", "auto")
 
@@ -77,6 +79,13 @@ def _kernel_backend(setting: str) -> tuple[str, bool]:
             "'pallas_interpret' (runs the kernel in interpret mode, for tests)"
         )
     return (setting if setting in ("reference", "chunked") else "auto"), False
+
+
+def _attends_packed(cfg: AttentionConfig) -> bool:
+    """Packed prompts attend in their packed layout where the CPU path runs (`packed_causal_attention`);
+    the kernels take the padded layout."""
+    backend, _ = _kernel_backend(cfg.backend)
+    return resolve_backend(backend) == "chunked"
 
 
 def attend(
@@ -170,32 +179,49 @@ class Attention(nn.Module):
         write_cache: bool = False,
         empty_cache: bool = False,
         causal: bool = False,
+        packing: Packing | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attends x's tokens to the cache and to each other.
 
         Args:
-          x: [B, T, D] normalized hidden states.
-          positions: [B, T] int32 absolute positions.
+          x: [B, T, D] normalized hidden states, or [1, L, D] packed tokens with `packing`.
+          positions: [B, T] int32 absolute positions (the padded layout, also with `packing`).
           k_cache, v_cache: [B, S, K, H].
           cache_len: [B] int32.
           new_mask: [B, T, T] bool.
           write_cache: static; write the new keys/values at slots [cache_len, cache_len + T) of the cache.
           empty_cache: static promise that every cache_len is 0: attention skips the cache.
           causal: static promise that new_mask is lower-triangular.
+          packing: x holds the packed tokens of the padded [B, T] layout (see dflax.models.packing): the
+            projections run on them; attention runs on the pack on the CPU path and on the padded layout
+            in the kernels. Only for prompts: needs `empty_cache` and a causal new_mask.
 
         Returns:
-          (out [B, T, D], k_cache, v_cache [B, S, K, H] with the new tokens written when `write_cache`,
-          else as given).
+          (out [B, T, D] (packed [1, L, D] with `packing`), k_cache, v_cache [B, S, K, H] with the new
+          tokens written when `write_cache`, else as given).
         """
         cfg = self.cfg
-        b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
+        b, t = positions.shape
+        token_positions = positions if packing is None else packing.pack(positions)[None]  # [B, T] or [1, L]
+        q = self.q_proj(x).reshape(*x.shape[:2], cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
         if cfg.qk_norm:
             q = self.q_norm(q)
-        q = apply_rope(q, positions, self._inv_freq())
-        k, v = self.project_kv(x, positions)  # [B, T, K, H]
+        q = apply_rope(q, token_positions, self._inv_freq())
+        k, v = self.project_kv(x, token_positions)  # [B, T, K, H]
+        if packing is not None and _attends_packed(cfg):  # a prompt on the CPU: attention on the pack
+            out = packed_causal_attention(
+                q[0], k[0], v[0], packing.segment_ids, token_positions[0], sm_scale=cfg.scale,
+                sliding_window=cfg.sliding_window,
+            )  # fmt: skip
+            k, v = packing.unpack(k[0]), packing.unpack(v[0])  # [B, T, K, H]: for the cache
+            if write_cache:
+                k_cache, v_cache = write_rows(k_cache, k, cache_len), write_rows(v_cache, v, cache_len)
+            return self.o_proj(out.reshape(1, packing.size, -1)), k_cache, v_cache
+        if packing is not None:  # [1, L, ., H] -> [B, T, ., H]
+            q, k, v = (packing.unpack(a[0]) for a in (q, k, v))
         if write_cache:
             k_cache, v_cache = write_rows(k_cache, k, cache_len), write_rows(v_cache, v, cache_len)
         k_read, v_read = (k_cache[:, :0], v_cache[:, :0]) if empty_cache else (k_cache, v_cache)
         out = attend(cfg, q, k_read, v_read, cache_len, k, v, new_mask, positions, causal)  # [B, T, N, H]
-        return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
+        out = out.reshape(b, t, -1) if packing is None else packing.pack(out.reshape(b, t, -1))[None]
+        return self.o_proj(out), k_cache, v_cache

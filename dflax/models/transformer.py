@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from dflax.models.attention import Attention, AttentionConfig
 from dflax.models.config import ModelConfig
 from dflax.models.layers import GatedMLP, Linear, RMSNorm
+from dflax.models.packing import Packing
 from dflax.spec.cache import KVCache
 
 
@@ -92,8 +93,9 @@ class DecoderLayer(nn.Module):
         write_cache: bool = False,
         empty_cache: bool = False,
         causal: bool = False,
+        packing: Packing | None = None,
     ):
-        """x [B, T, D] -> (x [B, T, D], k_cache, v_cache [B, S, K, H]); see `Attention.__call__`."""
+        """x [B, T, D] or packed [1, L, D] -> (x, k_cache, v_cache [B, S, K, H]); see `Attention`."""
         h, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x),
             positions,
@@ -104,6 +106,7 @@ class DecoderLayer(nn.Module):
             write_cache=write_cache,
             empty_cache=empty_cache,
             causal=causal,
+            packing=packing,
         )
         if self.config.is_gemma:
             x = x + self.post_attention_layernorm(h)
@@ -152,6 +155,7 @@ class Transformer(nn.Module):
         new_mask: jax.Array,
         tap_layers: tuple[int, ...] = (),
         empty_cache: bool = False,
+        packing: Packing | None = None,
     ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
         """Runs new tokens against the cache.
 
@@ -165,11 +169,16 @@ class Transformer(nn.Module):
           tap_layers: layer ids whose OUTPUT hidden states to return (HF hidden_states[l + 1]).
           empty_cache: static promise that every row's cache length is 0 (prefill): attention then
             skips the cache instead of scoring and masking all of its slots.
+          packing: run the token-wise parts (embedding, projections, MLP, norms) on the real tokens only,
+            packed back to back (see dflax.models.packing); attention still sees [B, T].
 
         Returns:
-          (hidden [B, T, D] after the final norm, updated cache, taps: one [B, T, D] per tap layer).
+          (hidden [B, T, D] after the final norm, updated cache, taps: one [B, T, D] per tap layer);
+          with `packing`, hidden and taps are packed: [1, L, D].
         """
-        x = self.embed(tokens)
+        if packing is not None and not empty_cache:
+            raise ValueError("packed tokens are for prompts: pass empty_cache=True with packing")
+        x = self.embed(tokens if packing is None else packing.pack(tokens)[None])  # [B, T, D] or [1, L, D]
         ks, vs, taps = [], [], {}
         for i, layer in enumerate(self.layers):
             x, k_cache, v_cache = layer(
@@ -182,6 +191,7 @@ class Transformer(nn.Module):
                 write_cache=True,
                 empty_cache=empty_cache,
                 causal=True,
+                packing=packing,
             )
             ks.append(k_cache)
             vs.append(v_cache)

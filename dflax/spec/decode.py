@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
 from dflax.spec.acceptance import accept_delta, accept_ratio
 from dflax.spec.cache import KVCache, write_rows
@@ -102,6 +103,7 @@ def prefill(
     *,
     max_tokens: int,
     proposer: Proposer | None = None,
+    packed_tokens: int | None = None,
 ) -> DecodeState:
     """Runs the prompts through the target and samples each row's first token.
 
@@ -118,6 +120,8 @@ def prefill(
       drafter_params: the proposer's parameters (None for plain decoding).
       max_tokens: static size M of the output buffer (>= max(max_new)).
       proposer: the drafter of the steps that follow (None for plain decoding); it observes the prompt.
+      packed_tokens: static L >= sum(prompt_lens): run the token-wise work on the real prompt tokens
+        packed into L slots instead of all B x P (see dflax.models.packing); None = unpacked.
 
     Returns:
       The initial decode state.
@@ -127,10 +131,15 @@ def prefill(
     causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
     mask = causal[None] & (jnp.arange(p)[None, None, :] < prompt_lens[:, None, None])  # [B, P, P]
     taps_wanted = proposer.tap_layers if proposer else ()
+    packing = None if packed_tokens is None else Packing.of_lengths(prompt_lens, p, packed_tokens)
     hidden, cache, taps = model.apply(
-        params, prompt_tokens, positions, cache, mask, taps_wanted, empty_cache=True
+        params, prompt_tokens, positions, cache, mask, taps_wanted, empty_cache=True, packing=packing
     )
-    last_hidden = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    if packing is None:
+        last_hidden = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    else:  # row r's last token is packed at sum(prompt_lens[:r + 1]) - 1
+        last_hidden = hidden[0, jnp.cumsum(prompt_lens) - 1]  # [B, D]
+        taps = tuple(packing.unpack(tap[0]) for tap in taps)  # [B, P, D] each
     logits = model.apply(params, last_hidden, method=Transformer.logits)  # [B, V]
     keys = _row_keys_at(row_keys, jnp.zeros((b,), jnp.int32))
     first = sample(keys, logits, sampling)  # [B]
