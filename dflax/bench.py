@@ -13,7 +13,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from dflax.generation import encode_prompt, fit_to_context, generate_ids
 from dflax.prompts import load_prompts
+from dflax.roofline import measure_roofline, median_time, step_floor_s
 from dflax.spec.sampling import SamplingParams
 from dflax.target import Target, load_target
 
@@ -61,10 +61,12 @@ def _run_dflax(
         per_batch.append(
             {
                 "rows": len(idx),
+                "prompt_tokens": sum(len(prompt_ids[i]) for i in idx),
                 "prefill_s": results[0].stats["prefill_s"],
                 "decode_s": results[0].stats["decode_s"],
                 "decode_tokens": sum(len(r.tokens) - 1 for r in results),
                 "steps": sum(r.stats["steps"] for r in results),
+                "loop_steps": max(r.stats["steps"] for r in results),  # decode-loop iterations
                 "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
                 "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
             }
@@ -112,6 +114,7 @@ def _run_hf(target: Target, prompt_ids, max_new_tokens, temperature, batch_size,
         per_batch.append(
             {
                 "rows": len(idx),
+                "prompt_tokens": sum(len(prompt_ids[i]) for i in idx),
                 "prefill_s": out["prefill_s"],
                 "decode_s": out["decode_s"],
                 "decode_tokens": sum(len(t) - 1 for t in out["tokens"]),
@@ -123,12 +126,14 @@ def _run_hf(target: Target, prompt_ids, max_new_tokens, temperature, batch_size,
     return tokens, per_batch
 
 
-def _summary(method: str, per_batch: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> dict[str, Any]:
     decode_s = sum(b["decode_s"] for b in per_batch)
     decode_tokens = sum(b["decode_tokens"] for b in per_batch)
     steps = sum(b["steps"] for b in per_batch)
+    loop_steps = sum(b.get("loop_steps", 0) for b in per_batch)
     return {
         "method": method,
+        "batch_size": batch_size,
         "new_tokens": decode_tokens + sum(b["rows"] for b in per_batch),
         "decode_tokens": decode_tokens,
         "tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
@@ -138,6 +143,9 @@ def _summary(method: str, per_batch: list[dict[str, Any]]) -> dict[str, Any]:
         "decode_s": decode_s,
         "prefill_s": sum(b["prefill_s"] for b in per_batch),
         "median_prefill_s": statistics.median(b["prefill_s"] for b in per_batch),
+        "prefill_tokens_per_s": sum(b.get("prompt_tokens", 0) for b in per_batch)
+        / sum(b["prefill_s"] for b in per_batch),
+        "step_s": decode_s / loop_steps if loop_steps else None,  # one decode-loop iteration (dflax)
         "tau": sum(b["committed"] for b in per_batch) / steps if steps else 1.0,
         "accept_hist": np.sum([b["accept_hist"] for b in per_batch], axis=0).tolist()
         if "accept_hist" in per_batch[0]
@@ -153,7 +161,7 @@ def run_bench(
     limit: int,
     max_new_tokens: int,
     temperature: float,
-    batch_size: int,
+    batch_size: int | list[int],
     seed: int,
     drafter: str | None = None,
     block_sizes: list[int] | None = None,
@@ -171,7 +179,8 @@ def run_bench(
       limit: first N prompts.
       max_new_tokens: budget per prompt.
       temperature: 0 = greedy.
-      batch_size: prompts per batch.
+      batch_size: prompts per batch, or several: every method runs at each (results carry their
+        batch_size; speedups and lossless_match compare with ar at the same batch size).
       seed: sampling seed.
       drafter: drafter path, "untrained", or None for the drafter shipped for the target.
       block_sizes: DFlash block sizes to run (default: the drafter's trained one).
@@ -180,9 +189,11 @@ def run_bench(
       console: optional rich console for progress.
 
     Returns:
-      {"target", "prompts", "n_prompts", "batch_size", "max_new_tokens", "temperature", "results": [...]},
-      one result per method with tokens_per_s (decode only), prefill_s, tau, and, when "ar" ran too,
-      ar_tokens_per_s, speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
+      {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
+      "results": [...]}, one result per method and batch size with tokens_per_s (decode only), prefill_s,
+      prefill_tokens_per_s, tau, step_s and step_vs_floor (one decode-loop iteration against this
+      machine's floor for that many rows, see dflax.roofline), and, when "ar" ran too, ar_tokens_per_s,
+      speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
     """
     from rich.progress import Progress
 
@@ -209,38 +220,48 @@ def run_bench(
             name = "dflash" if len(sizes) == 1 else f"dflash-b{b}"
             runners[name] = functools.partial(_run_dflax, drafter=spec.with_block_size(b))
         spec = spec.with_block_size(sizes[-1])
+    batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
+    roofline = measure_roofline(loaded.params)
     outputs, results = {}, []
     with Progress(console=console, disable=console is None) as progress:
-        for method, runner in runners.items():
-            task = progress.add_task(method, total=len(prompt_ids))
-            tokens, per_batch = runner(
-                loaded,
-                prompt_ids,
-                max_new_tokens,
-                temperature,
-                batch_size,
-                seed,
-                lambda k, task=task: progress.advance(task, k),
-            )
-            outputs[method] = tokens
-            results.append(_summary(method, per_batch))
-    if "ar" in outputs:
-        ar = next(r for r in results if r["method"] == "ar")
-        for r in results:
-            r["ar_tokens_per_s"] = ar["tokens_per_s"]
-            r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
-            if temperature == 0:
-                same = [a == b for a, b in zip(outputs["ar"], outputs[r["method"]])]
-                r["lossless_match"] = float(np.mean(same))
+        for rows in batch_sizes:
+            for method, runner in runners.items():
+                task = progress.add_task(f"{method} batch {rows}", total=len(prompt_ids))
+                tokens, per_batch = runner(
+                    loaded,
+                    prompt_ids,
+                    max_new_tokens,
+                    temperature,
+                    rows,
+                    seed,
+                    lambda k, task=task: progress.advance(task, k),
+                )
+                outputs[method, rows] = tokens
+                result = _summary(method, rows, per_batch)
+                if result["step_s"]:
+                    result["step_vs_floor"] = result["step_s"] / step_floor_s(
+                        roofline, min(rows, len(prompt_ids))
+                    )
+                results.append(result)
+    for r in results:
+        ar = next((a for a in results if a["method"] == "ar" and a["batch_size"] == r["batch_size"]), None)
+        if ar is None:
+            continue
+        r["ar_tokens_per_s"] = ar["tokens_per_s"]
+        r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
+        if temperature == 0:
+            pairs = zip(outputs["ar", r["batch_size"]], outputs[r["method"], r["batch_size"]])
+            r["lossless_match"] = float(np.mean([a == b for a, b in pairs]))
     report = {
         "target": target,
         "prompts": prompts,
         "n_prompts": len(prompt_ids),
-        "batch_size": batch_size,
+        "batch_sizes": batch_sizes,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "drafter": spec.name if spec else None,
         "block_sizes": sizes,
+        "roofline": roofline,
         "results": results,
     }
     if cost_curve:
@@ -248,16 +269,6 @@ def run_bench(
             loaded, spec, context=int(np.median([len(p) for p in prompt_ids]))
         )
     return report
-
-
-def _median_time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: int = 15) -> dict[str, Any]:
@@ -288,7 +299,7 @@ def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: i
     verify_s = {}
     for n in COST_CURVE_SIZES:
         tokens = jnp.full((1, n), 5, jnp.int32)
-        verify_s[n] = _median_time(verify, target.params, cache, tokens, reps=reps)
+        verify_s[n] = median_time(verify, target.params, cache, tokens, reps=reps)
     out = {
         "context": context,
         "verify_s": verify_s,
@@ -316,7 +327,7 @@ def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: i
         )
         keys = jax.vmap(jax.random.key)(jnp.zeros((1,), jnp.uint32))
         draft = jax.jit(lambda p, tp, s, k: proposer.propose(p, tp, s, k)[0])
-        out["draft_s"] = _median_time(draft, drafter.params, target.params, state, keys, reps=reps)
+        out["draft_s"] = median_time(draft, drafter.params, target.params, state, keys, reps=reps)
         out["draft_block_size"] = proposer.block_size
         out["draft_relative"] = out["draft_s"] / verify_s[1]
     return out

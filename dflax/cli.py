@@ -225,7 +225,9 @@ def bench(
     limit: int = typer.Option(40, help="use the first N prompts"),
     max_new_tokens: int = typer.Option(128, help="new tokens per prompt"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
-    batch_size: int = typer.Option(1, help="prompts decoded together"),
+    batch_size: str = typer.Option(
+        "1", help="prompts decoded together, or several (8,64: each method at each)"
+    ),
     seed: int = typer.Option(0, help="sampling seed"),
     json_out: Path = typer.Option(None, "--json", help="write the results as JSON"),
 ) -> None:
@@ -236,6 +238,12 @@ def bench(
     for m in methods:
         if m not in BENCH_METHODS:
             _fail(f"unknown bench method {m!r}; available: {', '.join(BENCH_METHODS)}")
+    try:
+        batch_sizes = [int(b) for b in batch_size.split(",")]
+    except ValueError:
+        _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
+    if any(b < 1 for b in batch_sizes):
+        _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
     block_sizes = None
     if block_size:
         try:
@@ -250,7 +258,7 @@ def bench(
             limit=limit,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
-            batch_size=batch_size,
+            batch_size=batch_sizes,
             seed=seed,
             drafter=drafter,
             block_sizes=block_sizes,

@@ -1,0 +1,71 @@
+"""This machine's limits for a target, measured in-process: how fast can a decode step possibly be?
+
+Two numbers bound a decode step of `rows` rows from below:
+- the weight pass: one GEMV through every weight matrix (each read once), the floor of a batch-1 step,
+  where a step is bound by reading the weights from memory;
+- the matmul rate: `rows` rows through every weight matrix at once, the floor of a large-batch step, where
+  a step is bound by the matrix multiplies.
+Bench figures divided by these say how far from the machine's limit a step is.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def _weight_matrices(params) -> list[jax.Array]:
+    return [w for w in jax.tree.leaves(params) if getattr(w, "ndim", 0) == 2]
+
+
+def median_time(fn, *args, reps: int) -> float:
+    """Median wall time of fn(*args) over `reps` calls, after one call that compiles it."""
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_roofline(params, rows: int = 64, reps: int = 7) -> dict[str, Any]:
+    """Weight-pass time and matmul rate of these parameters on this machine.
+
+    Args:
+      params: a target's parameters (every 2-D leaf is a weight matrix [in, out] or an embedding [V, D]).
+      rows: rows per matrix in the matmul-rate measurement.
+      reps: timed repetitions (the median is reported).
+
+    Returns:
+      {"weight_bytes", "weight_pass_s", "weight_pass_gb_per_s", "matmul_rows", "matmul_s",
+       "matmul_gflop_per_s"}.
+    """
+    matrices = _weight_matrices(params)
+
+    def through_all(xs, ws):  # [rows, in] x [in, out] for every matrix, summed so nothing is skipped
+        return sum(jnp.sum(x @ w) for x, w in zip(xs, ws))
+
+    fn = jax.jit(through_all)
+    weight_bytes = sum(w.size * w.dtype.itemsize for w in matrices)
+    flops = 2 * rows * sum(w.size for w in matrices)
+    pass_s = median_time(fn, [jnp.ones((1, w.shape[0]), w.dtype) for w in matrices], matrices, reps=reps)
+    matmul_s = median_time(fn, [jnp.ones((rows, w.shape[0]), w.dtype) for w in matrices], matrices, reps=reps)
+    return {
+        "weight_bytes": weight_bytes,
+        "weight_pass_s": pass_s,
+        "weight_pass_gb_per_s": weight_bytes / pass_s / 1e9,
+        "matmul_rows": rows,
+        "matmul_s": matmul_s,
+        "matmul_gflop_per_s": flops / matmul_s / 1e9,
+    }
+
+
+def step_floor_s(roofline: dict[str, Any], rows: int) -> float:
+    """The lower bound of one decode step of `rows` rows (tokens through the weights) on this machine."""
+    per_row = roofline["matmul_s"] / roofline["matmul_rows"]
+    return max(roofline["weight_pass_s"], rows * per_row)
