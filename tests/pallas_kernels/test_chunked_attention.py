@@ -21,7 +21,7 @@ TOL = dict(atol=2e-5, rtol=2e-5)
 @pytest.mark.parametrize(
     "n, cache_lens, max_len, heads, kv_heads, tree, window, cap",
     [
-        (1, [0, 1, 63, 64, 65, 200], 200, 3, 1, "chain", None, None),  # decode: chunk 64, S % 64 != 0
+        (1, [0, 1, 63, 64, 65, 200], 200, 3, 1, "chain", None, None),  # decode: chunks of 32, S % 32 != 0
         (1, [127, 128, 129], 130, 12, 3, "chain", None, None),  # GQA 4, edges of chunk 2
         (1, [5, 150, 190], 192, 4, 4, "chain", 20, 3.0),  # GQA 1: window far from slot 0, cap
         (1, [40], 40, 6, 2, "chain", None, None),  # a cache smaller than one chunk
