@@ -284,7 +284,7 @@ def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: i
 
     module = target.module
     slots = context + max(COST_CURVE_SIZES) + 64
-    cache = KVCache.init(target.config, 1, slots, target.dtype).replace(
+    cache = KVCache.init(target.config, 1, slots, target.cache_dtype).replace(
         lengths=jnp.asarray([context], jnp.int32)
     )
 

@@ -170,7 +170,7 @@ def generate_ids(
         lens[r], budgets[r], seeds[r] = len(ids), 1 if warmup else max_new_tokens, row_seeds[r]
     packed = packed_bucket(int(lens.sum()), bucket_b, bucket_p)
     row_keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
-    cache = KVCache.init(target.config, bucket_b, slots, target.dtype)
+    cache = KVCache.init(target.config, bucket_b, slots, target.cache_dtype)
     eos = jnp.asarray(target.eos_ids, jnp.int32)
 
     prefill_fn, decode_fn = _compiled(target, proposer)

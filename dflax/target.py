@@ -29,6 +29,7 @@ class Target:
       params: {"params": ...} parameter tree.
       tokenizer: its tokenizer and chat template.
       module: the Flax module that runs it.
+      cache_dtype: dtype of its KV cache (the parameter dtype unless asked otherwise).
     """
 
     name: str
@@ -36,6 +37,7 @@ class Target:
     params: dict
     tokenizer: Tokenizer
     module: Transformer
+    cache_dtype: jnp.dtype
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -54,7 +56,10 @@ def default_dtype() -> str:
 
 
 def load_target(
-    name_or_path: str | Path, dtype: str | None = None, attention_backend: str = "auto"
+    name_or_path: str | Path,
+    dtype: str | None = None,
+    attention_backend: str = "auto",
+    cache_dtype: str | None = None,
 ) -> Target:
     """Loads a target model and its tokenizer, offline.
 
@@ -62,7 +67,9 @@ def load_target(
       name_or_path: "smollm2-135m", "gemma3-270m", a .gguf file or an HF checkpoint directory
         (config.json + *.safetensors + tokenizer.json) of a supported architecture.
       dtype: "float32", "bfloat16" or "float16"; None picks float32 on CPU and bfloat16 on TPU/GPU.
-      attention_backend: "auto", "reference", "pallas" or "pallas_interpret".
+      attention_backend: "auto", "chunked", "reference", "pallas" or "pallas_interpret".
+      cache_dtype: KV cache dtype, one of the dtype names; None = `dtype` (bfloat16 on TPU/GPU). A
+        bfloat16 cache under a float32 model halves the cache's memory and reads.
 
     Returns:
       The loaded Target.
@@ -73,8 +80,10 @@ def load_target(
       CheckpointError: for tensors that do not fit the config.
     """
     dtype = dtype or default_dtype()
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} unknown; choose one of {', '.join(_DTYPES)}")
+    cache_dtype = cache_dtype or dtype
+    for name, value in (("dtype", dtype), ("cache_dtype", cache_dtype)):
+        if value not in _DTYPES:
+            raise ValueError(f"{name} {value!r} unknown; choose one of {', '.join(_DTYPES)}")
     kind, path = resolve(name_or_path)
     if kind == "gguf":
         config, tensors = read_gguf(path)
@@ -85,4 +94,4 @@ def load_target(
     jdtype = _DTYPES[dtype]
     params = to_params(config, tensors, jdtype)
     module = Transformer(config, dtype=jdtype, attention_backend=attention_backend)
-    return Target(str(name_or_path), config, params, tokenizer, module)
+    return Target(str(name_or_path), config, params, tokenizer, module, _DTYPES[cache_dtype])

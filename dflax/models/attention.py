@@ -208,6 +208,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)
         q = apply_rope(q, token_positions, self._inv_freq())
         k, v = self.project_kv(x, token_positions)  # [B, T, K, H]
+        # The new tokens are attended at the cache's precision, as every later step will see them.
+        k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
         if packing is not None and _attends_packed(cfg):  # a prompt on the CPU: attention on the pack
             out = packed_causal_attention(
                 q[0], k[0], v[0], packing.segment_ids, token_positions[0], sm_scale=cfg.scale,

@@ -1,4 +1,4 @@
-"""Prefix + tree attention in pure jnp: the specification, the CPU path and the test oracle.
+"""Prefix + tree attention in pure dense jnp: the specification and the test oracle (the CPU path is chunked).
 
 Glossary of einsum letters: B batch, T query (new) tokens, U new key tokens (= T), S cache slots,
 N query heads, K kv heads, G query heads per kv head (N = K * G), H head_dim.
@@ -89,21 +89,6 @@ def tree_attention_reference(
     cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, s)
     positions = query_positions(cache_len, t, q_positions)
     hi = jax.lax.Precision.HIGHEST
-    if t == 1:
-        return _single_query(
-            q,
-            k_cache,
-            v_cache,
-            cache_len,
-            k_new,
-            v_new,
-            tree_mask,
-            positions,
-            scale,
-            sliding_window,
-            logit_soft_cap,
-        )
-
     qf = q.astype(jnp.float32).reshape(b, t, kv, g, h)
     s_cache = jnp.einsum("BTKGH,BSKH->BKGTS", qf, k_cache.astype(jnp.float32), precision=hi) * scale
     s_new = jnp.einsum("BTKGH,BUKH->BKGTU", qf, k_new.astype(jnp.float32), precision=hi) * scale
@@ -136,53 +121,6 @@ def tree_attention_reference(
     denom = jnp.moveaxis(denom, 3, 1)[..., None]  # [B, T, K, G, 1]
     out = out * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
     return out.reshape(b, t, n, h).astype(q.dtype)
-
-
-def _single_query(
-    q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, positions, scale, sliding_window, logit_soft_cap
-) -> jax.Array:
-    """`tree_attention_reference` for one new token per row (a decode step), the same math.
-
-    The general einsums batch over (row, kv head), which makes XLA transpose the whole [B, S, K, H] cache
-    to [B, K, S, H] for both K and V on every layer; at one query per row that copy dominates the step
-    (SmolLM2, 16 rows x 832 slots on a CPU: ~21 ms per layer vs ~7 ms here). Instead the cache is read
-    as [B, S, K * H] against a block-diagonal query matrix [B, K * H, K * G] (zero off its kv-head blocks),
-    so both products are plain batched matmuls over the row: K times the multiplies, one cache read.
-    """
-    b, _, n, h = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
-    g = n // kv
-    hi = jax.lax.Precision.HIGHEST
-    eye = jnp.eye(kv, dtype=jnp.float32)  # [K, K]
-    qf = q.astype(jnp.float32).reshape(b, kv, g, h) * scale  # [B, K, G, H]
-    q_block = jnp.einsum("BKGH,KJ->BKHJG", qf, eye).reshape(b, kv * h, kv * g)  # [B, K * H, K * G]
-    k_rows = k_cache.astype(jnp.float32).reshape(b, s, kv * h)
-    s_cache = jnp.einsum("BSX,BXY->BSY", k_rows, q_block, precision=hi).reshape(b, s, kv, g)
-    s_new = jnp.einsum("BKGH,BKH->BKG", qf, k_new[:, 0].astype(jnp.float32), precision=hi)  # [B, K, G]
-    if logit_soft_cap is not None:
-        s_cache = logit_soft_cap * jnp.tanh(s_cache / logit_soft_cap)
-        s_new = logit_soft_cap * jnp.tanh(s_new / logit_soft_cap)
-
-    slots = jnp.arange(s, dtype=jnp.int32)
-    cache_vis = slots[None, :] < cache_len[:, None]  # [B, S]
-    if sliding_window is not None:
-        cache_vis = cache_vis & (positions[:, :1] - slots[None, :] < sliding_window)
-    new_vis = new_token_visibility(tree_mask, positions, sliding_window)[:, 0, 0]  # [B]
-
-    s_cache = jnp.where(cache_vis[:, :, None, None], s_cache, MASK_VALUE)
-    s_new = jnp.where(new_vis[:, None, None], s_new, MASK_VALUE)
-    m = jnp.maximum(s_cache.max(axis=1), s_new)  # [B, K, G]
-    p_cache = jnp.where(cache_vis[:, :, None, None], jnp.exp(s_cache - m[:, None]), 0.0)  # [B, S, K, G]
-    p_new = jnp.where(new_vis[:, None, None], jnp.exp(s_new - m), 0.0)  # [B, K, G]
-    denom = p_cache.sum(axis=1) + p_new  # [B, K, G]
-
-    in_cache = slots[None, :] < cache_len[:, None]
-    v_rows = jnp.where(in_cache[:, :, None], v_cache.astype(jnp.float32).reshape(b, s, kv * h), 0.0)
-    mixed = jnp.einsum("BSY,BSX->BYX", p_cache.reshape(b, s, kv * g), v_rows, precision=hi)
-    out = jnp.einsum("BKGJH,KJ->BKGH", mixed.reshape(b, kv, g, kv, h), eye)  # the diagonal blocks
-    out = out + p_new[..., None] * v_new[:, 0, :, None, :].astype(jnp.float32)
-    out = out * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)[..., None]
-    return out.reshape(b, 1, n, h).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------

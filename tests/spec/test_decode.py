@@ -132,3 +132,16 @@ def test_first_token_follows_the_target_distribution(target):
     expected = probs[support] / probs[support].sum() * counts.sum()
     pvalue = stats.chisquare(counts[support], expected).pvalue
     assert pvalue > 1e-3, (counts[support], probs[support])
+
+
+def test_bf16_cache_under_fp32_target(tiny_checkpoint):
+    """cache_dtype='bfloat16' keeps the KV cache in bf16 under an fp32 target and still decodes greedily
+    like the fp32 cache on a tiny model (no near-ties at this size and seed)."""
+    path = str(tiny_checkpoint("qwen3")[0])
+    fp32, bf16 = dflax.load_target(path), dflax.load_target(path, cache_dtype="bfloat16")
+    assert bf16.cache_dtype == jnp.bfloat16 and bf16.dtype == jnp.float32
+    want, _ = run(fp32, PROMPTS, max_new=6)
+    got, _ = run(bf16, PROMPTS, max_new=6)
+    assert got == want
+    with pytest.raises(ValueError, match="cache_dtype"):
+        dflax.load_target(path, cache_dtype="int8")
