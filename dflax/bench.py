@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -284,27 +285,38 @@ def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: i
 
     module = target.module
     slots = context + max(COST_CURVE_SIZES) + 64
-    cache = KVCache.init(target.config, 1, slots, target.cache_dtype).replace(
-        lengths=jnp.asarray([context], jnp.int32)
-    )
 
-    @jax.jit
-    def verify(params, cache, tokens):
+    def empty_cache(num_slots):
+        cache = KVCache.init(target.config, 1, num_slots, target.cache_dtype)
+        return cache.replace(lengths=jnp.asarray([context], jnp.int32))
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def verify(params, cache, tokens):  # as in the decode loop: the donated cache is written in place
         n = tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
         mask = jnp.tril(jnp.ones((1, n, n), jnp.bool_))
-        hidden, _, _ = module.apply(params, tokens, positions, cache, mask)
-        return module.apply(params, hidden, method=Transformer.logits)
+        hidden, cache, _ = module.apply(params, tokens, positions, cache, mask)
+        return module.apply(params, hidden, method=Transformer.logits), cache
 
-    verify_s = {}
-    for n in COST_CURVE_SIZES:
-        tokens = jnp.full((1, n), 5, jnp.int32)
-        verify_s[n] = median_time(verify, target.params, cache, tokens, reps=reps)
+    def verify_time(n, num_slots):
+        tokens, cache = jnp.full((1, n), 5, jnp.int32), empty_cache(num_slots)
+        times = []
+        for _ in range(reps + 1):  # the first call compiles
+            t0 = time.perf_counter()
+            logits, cache = verify(target.params, cache, tokens)  # lengths stay: the same context
+            jax.block_until_ready(logits)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    verify_s = {n: verify_time(n, slots) for n in COST_CURVE_SIZES}
     out = {
         "context": context,
         "verify_s": verify_s,
         "verify_relative": {n: t / verify_s[1] for n, t in verify_s.items()},
+        # The same 1-token step with 4x the (empty) slots: its cost should follow the context, not S.
+        "slots_s": {slots: verify_s[1], 4 * slots: verify_time(1, 4 * slots)},
     }
+    cache = empty_cache(slots)
     if drafter is not None:
         from dflax.spec.decode import DecodeState
 
