@@ -94,17 +94,65 @@ def test_untrained_drafter_is_lossless(target, block_size):
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_oracle_drafter_commits_whole_blocks(target, block_size):
     max_new = 4 * block_size + 1  # first token from prefill + exactly 4 full blocks
-    expected, _ = greedy(target, PROMPTS, max_new)
-    table = np.zeros((4, max_new + block_size), np.int32)
-    for r, e in enumerate(expected):
-        table[r, : len(e)] = e
-    oracle = OracleDrafter(jnp.asarray(table), OracleProposer(block_size - 1))
+    oracle, expected = oracle_for(target, PROMPTS, max_new, block_size)
     got, results = greedy(target, PROMPTS, max_new, oracle)
     assert got == expected
     for r in results:
         assert r.stats["steps"] == 4
         assert r.stats["tau"] == block_size
         assert r.stats["accept_hist"][block_size] == 4
+
+
+def oracle_for(target, prompts, max_new, block_size):
+    """An oracle drafter for the prompts' plain greedy outputs (also returned)."""
+    expected, _ = greedy(target, prompts, max_new)
+    table = np.zeros((len(prompts), max_new + block_size), np.int32)
+    for r, e in enumerate(expected):
+        table[r, : len(e)] = e
+    return OracleDrafter(jnp.asarray(table), OracleProposer(block_size - 1)), expected
+
+
+def test_eos_and_budget_inside_an_accepted_block(target):
+    """A whole block is accepted, but the row ends at an EOS or at its budget in its middle: nothing after
+    it is emitted, and finish_reason says which."""
+    block_size, max_new = 8, 17  # the prefill token, then two blocks of 8
+    oracle, expected = oracle_for(target, PROMPTS, max_new, block_size)
+    # The EOS: a token some row first emits at index 3..7, inside the first block (indices 1..8).
+    row, index = next((r, i) for r, e in enumerate(expected) for i in range(3, 8) if e[i] not in e[:i])
+    eos = expected[row][index]
+    with_eos = dataclasses.replace(target, config=dataclasses.replace(target.config, eos_token_ids=(eos,)))
+    got, results = greedy(with_eos, PROMPTS, max_new, oracle)
+    assert got[row] == expected[row][: index + 1]
+    assert results[row].stats["steps"] == 1 and results[row].stats["accept_hist"][block_size] == 1
+    for e, g, r in zip(expected, got, results):
+        stop = e.index(eos) + 1 if eos in e else len(e)
+        assert g == e[:stop]
+        assert r.stats["finish_reason"] == ("eos" if eos in e else "length")
+    budget = 5  # ends inside the first accepted block
+    got, results = greedy(target, PROMPTS, budget, oracle)
+    assert got == [e[:budget] for e in expected]
+    for r in results:
+        assert r.stats["finish_reason"] == "length" and r.stats["new_tokens"] == budget
+        assert r.stats["steps"] == 1 and r.stats["accept_hist"][block_size] == 1
+
+
+@pytest.mark.parametrize("drafter_kind", ["untrained", "oracle"])
+def test_gemma3_sliding_window_under_dflash(tiny_checkpoint, drafter_kind):
+    """Gemma 3 with a window of 8, far shorter than prompt + 40 new tokens: verify blocks and whole
+    accepted blocks cross the window edge, and the output is still plain greedy decoding's."""
+    gemma = dflax.load_target(str(tiny_checkpoint("gemma3")[0]))
+    assert gemma.config.sliding_window == 8
+    max_new, block_size = 40, 8
+    if drafter_kind == "oracle":
+        drafter, expected = oracle_for(gemma, PROMPTS, max_new, block_size)
+    else:
+        drafter = load_drafter("untrained", gemma, block_size=block_size)
+        expected, _ = greedy(gemma, PROMPTS, max_new)
+    got, results = greedy(gemma, PROMPTS, max_new, drafter)
+    for prompt, e, g in zip(PROMPTS, expected, got):
+        assert_same_or_near_tie(gemma, prompt, e, g)
+    if drafter_kind == "oracle":
+        assert all(r.stats["tau"] > 4 for r in results)
 
 
 def test_plain_decoding_has_tau_one(target):
