@@ -235,11 +235,19 @@ def tree_attention_tpu(
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"block_sizes for the tpu backend must be tpu.BlockSizes, got {type(bs).__name__}")
     b, t, n, h = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    kv = k_cache.shape[2]
     g = n // kv
     hpb = _kv_heads_per_block(kv, h, bs.kv_heads_per_block)
     width = hpb * h
     sublanes = 8 * max(1, 4 // jnp.dtype(q.dtype).itemsize)  # native (sublane, lane) tile: f32 8, bf16 16
+    cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[1])
+    if k_cache.shape[1] < sublanes:
+        # A one-slot KV tile makes Mosaic lower q @ k.T as a matrix-vector product, whose bf16 path fails
+        # verification (vector.broadcast bf16 -> f32); tiny caches (prefill pads the empty one to a
+        # single slot) are padded to a native tile instead. The padding is beyond cache_len: never read.
+        pad_s = ((0, 0), (0, sublanes - k_cache.shape[1]), (0, 0), (0, 0))
+        k_cache, v_cache = jnp.pad(k_cache, pad_s), jnp.pad(v_cache, pad_s)
+    s = k_cache.shape[1]
     block_q = min(bs.block_q, ref_lib.round_up(t * g, sublanes))
     rows_pad = ref_lib.round_up(t * g, block_q)
     block_kv = s if s <= bs.block_kv else bs.block_kv
@@ -247,7 +255,6 @@ def tree_attention_tpu(
     u_pad = ref_lib.round_up(t, 8)
     scale = ref_lib.default_scale(h, sm_scale)
 
-    cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, s)
     positions = ref_lib.query_positions(cache_len, t, q_positions)
     new_vis = ref_lib.new_token_visibility(tree_mask, positions, sliding_window)
     mask = ref_lib.row_visibility(new_vis, g, rows_pad, u_pad)  # [B, rows_pad, u_pad]
