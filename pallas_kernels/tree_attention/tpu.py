@@ -42,7 +42,9 @@ class BlockSizes:
 
     Attributes:
       block_q: packed query rows (T * G) per tile, a multiple of 8. Verification trees (T <= 64, G <= 8)
-        fit one tile, so the prefix is read once per KV head; prefill splits into several tiles.
+        fit one tile, so the prefix is read once per KV head; prefill splits into several tiles. The
+        kernel halves it while its estimated VMEM would overflow the scoped limit (several fp32 heads per
+        block, e.g. 3 x 64-dim heads in 192 lanes, need 256).
       block_kv: cache slots per prefix KV tile and new keys per tree chunk, a multiple of 128. A cache of
         at most block_kv slots is one tile.
       kv_heads_per_block: KV heads per block; None picks the fewest whose lanes fill a multiple of 128.
@@ -59,6 +61,27 @@ class BlockSizes:
             raise ValueError(f"block_q={self.block_q} must be a positive multiple of 8 (TPU sublanes)")
         if self.block_kv <= 0 or self.block_kv % _LANES:
             raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 128 (TPU lanes)")
+
+
+_DEFAULT_SCOPED_VMEM = 16 * 2**20  # Mosaic's default scoped-VMEM limit on v5e (the smallest we target)
+
+
+def _fit_block_q(
+    block_q: int, hpb: int, width: int, block_kv: int, tree_chunk: int, itemsize: int, limit: int
+) -> int:
+    """block_q, halved until the kernel's estimated VMEM fits `limit` (at most down to 8 rows).
+
+    The estimate: KV tiles and new-token chunks (double-buffered), and per query row the q / output
+    blocks (double-buffered), the f32 accumulator, the running max and sum, the mask chunk and the f32
+    score temporaries of every head in the block. Checked against Mosaic's compile on v5e (fp32, three
+    64-dim heads per block: 512 rows need 18.4 MiB, 256 fit).
+    """
+    keys = max(block_kv, tree_chunk)  # keys scored per step
+    fixed = 4 * 2 * keys * width * itemsize
+    row = hpb * (width * (4 * itemsize + 4) + 2 * _LANES * 4 + 2 * keys * 4) + 2 * tree_chunk * 4
+    while block_q > 8 and fixed + block_q * row > 0.97 * limit:
+        block_q //= 2
+    return max(8, block_q)
 
 
 def _kv_heads_per_block(num_kv_heads: int, head_dim: int, requested: int | None) -> int:
@@ -257,7 +280,8 @@ def tree_attention_tpu(
     g = n // kv
     hpb = _kv_heads_per_block(kv, h, bs.kv_heads_per_block)
     width = hpb * h
-    sublanes = 8 * max(1, 4 // jnp.dtype(q.dtype).itemsize)  # native (sublane, lane) tile: f32 8, bf16 16
+    itemsize = jnp.dtype(q.dtype).itemsize
+    sublanes = 8 * max(1, 4 // itemsize)  # native (sublane, lane) tile: f32 8, bf16 16
     cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[1])
     if k_cache.shape[1] < sublanes:
         # A one-slot KV tile makes Mosaic lower q @ k.T as a matrix-vector product, whose bf16 path fails
@@ -266,12 +290,14 @@ def tree_attention_tpu(
         pad_s = ((0, 0), (0, sublanes - k_cache.shape[1]), (0, 0), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, pad_s), jnp.pad(v_cache, pad_s)
     s = k_cache.shape[1]
-    block_q = min(bs.block_q, ref_lib.round_up(t * g, sublanes))
-    rows_pad = ref_lib.round_up(t * g, block_q)
     block_kv = s if s <= bs.block_kv else bs.block_kv
     num_kv_tiles = pl.cdiv(s, block_kv)
     # New tokens go in chunks of at most block_kv keys (one chunk for a verification tree).
     tree_chunk = ref_lib.round_up(t, 8) if t <= bs.block_kv else bs.block_kv
+    limit = bs.vmem_limit_bytes or _DEFAULT_SCOPED_VMEM
+    block_q = _fit_block_q(bs.block_q, hpb, width, block_kv, tree_chunk, itemsize, limit)
+    block_q = min(block_q, ref_lib.round_up(t * g, sublanes))
+    rows_pad = ref_lib.round_up(t * g, block_q)
     u_pad = ref_lib.round_up(t, tree_chunk)
     num_chunks = u_pad // tree_chunk
     num_q_tiles = rows_pad // block_q
@@ -329,7 +355,6 @@ def tree_attention_tpu(
         num_kv_tiles=num_kv_tiles,
         num_q_tiles=num_q_tiles,
     )
-    itemsize = jnp.dtype(k_cache.dtype).itemsize
     cost = pl.CostEstimate(
         flops=4 * b * n * t * (s + t) * h,
         transcendentals=b * n * t * (s + t),
