@@ -18,7 +18,7 @@ from dflax.models.config import RopeScaling
 from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 from pallas_kernels.tree_attention import tree_attention
 
-ATTENTION_BACKENDS = ("reference", "pallas", "pallas_interpret", "auto")
+ATTENTION_BACKENDS = ("reference", "pallas", "pallas_tpu", "pallas_gpu", "pallas_interpret", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +39,10 @@ class AttentionConfig:
       norm_eps: epsilon of the q/k norms.
       gemma_norm: q/k norms use Gemma's (1 + w) scale.
       sliding_window: keys older than this many positions are invisible (None = global).
-      backend: "reference" (jnp), "pallas" (Pallas on TPU/GPU), "pallas_interpret" (Pallas in interpret
-        mode: CPU tests), "auto" (Pallas on TPU/GPU, reference on CPU).
+      backend: "reference" (jnp), "pallas" (the Pallas kernel of the TPU/GPU this process runs on),
+        "pallas_tpu" / "pallas_gpu" (that platform's kernel whatever this process runs on: compiling ahead
+        of time for a TPU or GPU topology from a CPU host), "pallas_interpret" (Pallas in interpret mode:
+        CPU tests), "auto" (Pallas on TPU/GPU, reference on CPU).
     """
 
     hidden_size: int
@@ -69,10 +71,13 @@ def _kernel_backend(setting: str) -> tuple[str, bool]:
     """Maps an `attention_backend` setting to the kernel's (backend, interpret) arguments."""
     if setting == "pallas_interpret":
         return "gpu", True
+    if setting in ("pallas_tpu", "pallas_gpu"):
+        return setting.removeprefix("pallas_"), False
     if setting == "pallas" and jax.default_backend() not in ("tpu", "gpu"):
         raise ValueError(
             "attention_backend='pallas' needs a TPU or GPU; on CPU use 'reference' (fast) or "
-            "'pallas_interpret' (runs the kernel in interpret mode, for tests)"
+            "'pallas_interpret' (runs the kernel in interpret mode, for tests), or 'pallas_tpu' / "
+            "'pallas_gpu' to compile ahead of time for that platform (see dflax.aot)"
         )
     return ("reference" if setting == "reference" else "auto"), False
 
