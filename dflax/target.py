@@ -62,7 +62,8 @@ def load_target(
       name_or_path: "smollm2-135m", "gemma3-270m", a .gguf file or an HF checkpoint directory
         (config.json + *.safetensors + tokenizer.json) of a supported architecture.
       dtype: "float32", "bfloat16" or "float16"; None picks float32 on CPU and bfloat16 on TPU/GPU.
-      attention_backend: "auto", "reference", "pallas" or "pallas_interpret".
+      attention_backend: "auto", "reference", "pallas", "pallas_tpu", "pallas_gpu" or "pallas_interpret"
+        (see `dflax.models.attention.AttentionConfig`).
 
     Returns:
       The loaded Target.

@@ -4,7 +4,7 @@ The TPU compiler, Mosaic included, runs on this host: kernels and whole generati
 for a named TPU topology from shapes alone, and the compiler reports their memory and cost.
 """
 
-from dflax.aot.generation import STAGES, StepShape, compile_generation
+from dflax.aot.generation import STAGES, CompiledStage, StepShape, compile_generation
 from dflax.aot.models import PRESETS, ModelPlan, model_plan
 from dflax.aot.plan import plan
 from dflax.aot.report import CompiledNumbers, markdown_table
@@ -23,6 +23,7 @@ __all__ = [
     "STAGES",
     # Compiling and reporting.
     "compile_generation",
+    "CompiledStage",
     "plan",
     "CompiledNumbers",
     "markdown_table",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,17 @@ from dflax.spec.decode import decode_loop, decode_step, prefill
 from dflax.spec.sampling import SamplingParams
 
 STAGES = ("prefill", "decode_step", "decode_loop")
+
+
+class CompiledStage(NamedTuple):
+    """One stage as lowered (StableHLO, with the Pallas kernels' custom calls) and as compiled for the
+    device (memory_analysis, cost_analysis). Read the program from `lowered`: with libtpu newer than
+    jaxlib, `compiled.as_text()` can fail to parse the TPU compiler's HLO."""
+
+    lowered: jax.stages.Lowered
+    compiled: jax.stages.Compiled
+
+
 _KERNEL_SETTING = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
 
 
@@ -90,7 +102,7 @@ def compile_generation(
     dtype: jnp.dtype = jnp.bfloat16,
     attention_backend: str = "pallas",
     stages: tuple[str, ...] = STAGES,
-) -> dict[str, jax.stages.Compiled]:
+) -> dict[str, CompiledStage]:
     """Compiles the prefill, one decode step and the decode loop of a target (+ drafter) for `device`.
 
     Args:
@@ -102,7 +114,7 @@ def compile_generation(
       stages: which of STAGES to compile.
 
     Returns:
-      stage name -> the compiled executable (its memory_analysis / cost_analysis hold the numbers).
+      stage name -> the stage lowered and compiled.
     """
     unknown = set(stages) - set(STAGES)
     if unknown:
@@ -139,12 +151,14 @@ def compile_generation(
         functools.partial(prefill, target, proposer=proposer, max_tokens=shape.max_new_tokens),
         donate_argnames=("cache",),
     )
-    compiled = {}
+    out = {}
     if "prefill" in stages:
-        compiled["prefill"] = prefill_fn.lower(*args).compile()
+        lowered = prefill_fn.lower(*args)
+        out["prefill"] = CompiledStage(lowered, lowered.compile())
     state = on_device(jax.eval_shape(prefill_fn, *args), device)
     for stage, fn in (("decode_step", decode_step), ("decode_loop", decode_loop)):
         if stage in stages:
             jitted = jax.jit(functools.partial(fn, target, proposer=proposer), donate_argnames=("state",))
-            compiled[stage] = jitted.lower(params, state, sampling, drafter_args).compile()
-    return compiled
+            lowered = jitted.lower(params, state, sampling, drafter_args)
+            out[stage] = CompiledStage(lowered, lowered.compile())
+    return out

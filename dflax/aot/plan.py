@@ -52,4 +52,4 @@ def plan(
         attention_backend=attention_backend,
         stages=stages,
     )
-    return [(model, stage, CompiledNumbers.of(executable)) for stage, executable in compiled.items()]
+    return [(model, stage, CompiledNumbers.of(done.compiled)) for stage, done in compiled.items()]
