@@ -60,14 +60,11 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
-TABLE_HEADER = (
-    "| config | stage | arguments MiB | outputs MiB | temp MiB | peak MiB | GFLOP | GB accessed | est. ms |"
-)
+TABLE_HEADER = "| config | stage | arguments MiB | outputs MiB | temp MiB | peak MiB | GFLOP | GB accessed |"
 
 
 def table_row(config: str, stage: str, numbers: CompiledNumbers) -> str:
     """One markdown row of `TABLE_HEADER`."""
-    est = "-" if numbers.optimal_seconds is None else f"{numbers.optimal_seconds * 1e3:,.3f}"
     cells = (
         config,
         stage,
@@ -77,7 +74,6 @@ def table_row(config: str, stage: str, numbers: CompiledNumbers) -> str:
         _mib(numbers.peak_bytes),
         f"{numbers.flops / 1e9:,.2f}",
         f"{numbers.bytes_accessed / 1e9:,.3f}",
-        est,
     )
     return "| " + " | ".join(cells) + " |"
 
