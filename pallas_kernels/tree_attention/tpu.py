@@ -14,10 +14,13 @@ the valid range run unmasked. The new tokens come in chunks of at most block_kv 
 one chunk; an 8k-token prefill is 16), and each query tile visits only the chunks its mask reaches, so a
 causal prefill skips the chunks above its diagonal.
 
-Cache layout stays [B, S, K, H] (viewed as [B, S, K * H] for free). A block's last dim must be a multiple
-of 128 lanes, so when head_dim is below 128 a block holds `kv_heads_per_block` heads side by side and each
-query head is zero-padded to the block's width: its dot product with the block only sees its own head's
-lanes, and the wrapper keeps the matching lanes of the output. No unaligned lane slicing happens in-kernel.
+Cache layout stays [B, S, K, H], viewed as [B, S, K * H]. That view is free in a row-major layout but not
+in the TPU's tiled HBM layout, where (K, H) are the tiled dims: XLA copies the cache into the new layout
+around each call (measured by compiling for v5e, tests/aot); a [B, K, S, H] cache would avoid it.
+A block's last dim must be a multiple of 128 lanes, so when head_dim is below 128 a block holds
+`kv_heads_per_block` heads side by side and each query head is zero-padded to the block's width: its dot
+product with the block only sees its own head's lanes, and the wrapper keeps the matching lanes of the
+output. No unaligned lane slicing happens in-kernel.
 """
 
 from __future__ import annotations
@@ -310,7 +313,7 @@ def tree_attention_tpu(
     chunks = _tree_chunk_bounds(mask, block_q, tree_chunk)
 
     q_wide = _widen_queries(ref_lib.pack_queries(q, kv, rows_pad), hpb)  # [B, K/hpb, hpb, rows_pad, width]
-    k2 = k_cache.reshape(b, s, kv * h)  # free views: a block of `width` lanes is hpb heads of one slot
+    k2 = k_cache.reshape(b, s, kv * h)  # a block of `width` lanes is hpb heads of one slot
     v2 = v_cache.reshape(b, s, kv * h)
     pad_u = ((0, 0), (0, u_pad - t), (0, 0), (0, 0))
     kn2 = jnp.pad(k_new, pad_u).reshape(b, u_pad, kv * h)

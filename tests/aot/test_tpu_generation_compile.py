@@ -5,6 +5,8 @@ DFlash drafter of the official shape, from configs alone (no weights)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dflax.aot.generation import StepShape, compile_generation
@@ -23,11 +25,15 @@ SHAPE = StepShape(batch=2, prompt_len=1024, max_new_tokens=64, block_size=16)
 def test_prefill_and_decode_loop_compile_with_the_pallas_kernel(tpu_device, preset):
     plan = model_plan(preset)
     compiled = compile_generation(plan, SHAPE, tpu_device(MODELS[preset]), stages=("prefill", "decode_loop"))
-    layers = plan.target.num_layers + plan.drafter.layers.num_layers
+    num_layers = plan.target.num_layers
+    layers = num_layers + plan.drafter.layers.num_layers
     for stage, done in compiled.items():
-        # One Pallas kernel call per attention layer: the reference path would leave none.
-        calls = done.lowered.as_text().count("tpu_custom_call")
-        assert calls >= (plan.target.num_layers if stage == "prefill" else layers), (stage, calls)
+        # Every attention layer calls the public op, which runs the Mosaic kernel (the reference path would
+        # leave no tpu_custom_call); the layers share one lowered copy of the op.
+        text = done.lowered.as_text()
+        calls = len(re.findall(r"call @tree_attention\b", text))
+        wanted = num_layers if stage == "prefill" else layers
+        assert "tpu_custom_call" in text and calls >= wanted, (stage, calls)
     prefill = CompiledNumbers.of(compiled["prefill"].compiled)
     loop = CompiledNumbers.of(compiled["decode_loop"].compiled)
     cfg = plan.target
