@@ -145,8 +145,7 @@ def compile_generation(
         ),
         device,
     )
-    params, sampling = args[0], args[7]
-    drafter_args = args[8]
+    params, sampling, drafter_args = args[0], args[7], args[8]
     prefill_fn = jax.jit(
         functools.partial(prefill, target, proposer=proposer, max_tokens=shape.max_new_tokens),
         donate_argnames=("cache",),
