@@ -1,11 +1,12 @@
-"""Cached conversions cannot hide a change of the converting code, and test runs never share a cache."""
+"""Cached GGUF conversions (weights and tokenizer) cannot hide a change of the converting code, and test
+runs never share a cache."""
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
-from dflax.checkpoints import gguf_file, model_files
+from dflax.checkpoints import gguf_file, model_files, tokenizer
 from dflax.checkpoints.hf_dir import read_hf_dir
 
 
@@ -48,3 +49,17 @@ def test_gguf_is_converted_again_when_the_conversion_code_changes(tmp_path, monk
     gguf_file.read_gguf(model)
     assert len(conversions) == 2
     assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
+
+
+def test_tokenizer_is_converted_again_when_its_code_changes(tmp_path, monkeypatch):
+    """The tokenizer conversion cache is keyed on tokenizer.py's source hash the same way."""
+    conversions = []
+    convert = tokenizer._convert_gguf
+    monkeypatch.setattr(tokenizer, "_convert_gguf", lambda path: conversions.append(path) or convert(path))
+    path = model_files.smollm2_gguf_path()
+    tokenizer.Tokenizer.from_gguf(path, cache_dir=tmp_path)
+    tokenizer.Tokenizer.from_gguf(path, cache_dir=tmp_path)
+    assert len(conversions) == 1
+    monkeypatch.setattr(model_files, "source_hash", lambda *modules: "edited-source")
+    tokenizer.Tokenizer.from_gguf(path, cache_dir=tmp_path)
+    assert len(conversions) == 2
