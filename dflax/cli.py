@@ -1,4 +1,4 @@
-"""The `dflax` command line: generate, bench, make-data, train and pipeline."""
+"""The `dflax` command line: generate, bench, make-data, train, pipeline and plan."""
 
 from __future__ import annotations
 
@@ -349,3 +349,42 @@ def pipeline_command(
         _fail(str(e))
     if result.interrupted is not None:
         raise typer.Exit(128 + result.interrupted)
+
+
+@app.command("plan")
+def plan_command(
+    model: str = typer.Option(
+        "smollm2-135m",
+        help="preset (smollm2-135m, gemma3-270m, qwen3-8b), " + _TARGET_HELP + " or config.json",
+    ),
+    drafter: str = typer.Option(
+        None,
+        help="'none' (plain decoding), 'untrained', 'shipped' or a drafter directory; default: the preset's",
+    ),
+    topology: str = typer.Option("v5e:2x2", help="TPU topology compiled for (one device of it)"),
+    batch: int = typer.Option(1, help="rows decoded together"),
+    prompt_len: int = typer.Option(1024, help="prompt bucket (tokens per row in prefill)"),
+    max_new_tokens: int = typer.Option(256, help="new-token budget per row"),
+    block_size: int = typer.Option(16, help="tokens verified per step with a drafter"),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32"),
+    attention_backend: str = typer.Option("pallas", help="pallas (the TPU kernel) or reference"),
+    stages: str = typer.Option("prefill,decode_step,decode_loop", help="comma-separated stages to compile"),
+) -> None:
+    """Compile generation for a TPU on this machine (no TPU needed) and print the compiler's numbers."""
+    from dflax.aot import StepShape, TpuCompilerUnavailableError, markdown_table, plan
+
+    try:
+        shape = StepShape(batch, prompt_len, max_new_tokens, block_size)
+        with console.status(f"compiling {model} for {topology} ..."):
+            rows = plan(
+                model,
+                drafter=drafter,
+                topology=topology,
+                shape=shape,
+                dtype=dtype,
+                attention_backend=attention_backend,
+                stages=tuple(s.strip() for s in stages.split(",") if s.strip()),
+            )
+    except (TpuCompilerUnavailableError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    print(markdown_table(rows))

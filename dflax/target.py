@@ -67,7 +67,8 @@ def load_target(
       name_or_path: "smollm2-135m", "gemma3-270m", a .gguf file or an HF checkpoint directory
         (config.json + *.safetensors + tokenizer.json) of a supported architecture.
       dtype: "float32", "bfloat16" or "float16"; None picks float32 on CPU and bfloat16 on TPU/GPU.
-      attention_backend: "auto", "chunked", "reference", "pallas" or "pallas_interpret".
+      attention_backend: "auto", "chunked", "reference", "pallas", "pallas_tpu", "pallas_gpu" or
+        "pallas_interpret" (see `dflax.models.attention.AttentionConfig`).
       cache_dtype: KV cache dtype, one of the dtype names; None = `dtype` (bfloat16 on TPU/GPU). A
         bfloat16 cache under a float32 model halves the cache's memory and reads.
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # Tests run on the CPU in float32; keep XLA from grabbing every core for one op.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every run gets its own empty dflax cache (GGUF conversions, tokenizers, joined model files, XLA cache), so
+# nothing a previous run or another checkout converted can stand in for what this code converts. Set before
+# dflax is imported and inherited by the subprocesses tests start.
+os.environ["DFLAX_CACHE"] = tempfile.mkdtemp(prefix="dflax-test-cache-")
+atexit.register(shutil.rmtree, os.environ["DFLAX_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -37,12 +37,17 @@ def target_dir(tiny_checkpoint):
     return tiny_checkpoint("llama")[0]
 
 
-def test_jsonl_raw_and_chat_then_resume(tmp_path, target_dir):
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "1.0", "--seed", "7"]], ids=["greedy", "t1"])
+def test_jsonl_raw_and_chat_then_resume(tmp_path, target_dir, sampling):
+    """An interrupted run resumes: each prompt ends with exactly one line, the same one a full run writes
+    (at T > 0 too: a prompt's seed follows its id, not its place among the prompts left to do)."""
     prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
     write_jsonl(prompts, PROMPTS)
-    result = run(target_dir, "--prompts", str(prompts), "--out", str(out), "--batch-size", "2")
+    args = ["--prompts", str(prompts), "--out", str(out), "--batch-size", "2", *sampling]
+    result = run(target_dir, *args)
     assert result.exit_code == 0, result.output
     full = read_results(out)
+    assert len(out.read_text().splitlines()) == len(PROMPTS)
     assert set(full) == {json.dumps(p["id"]) for p in PROMPTS}
     for r in full.values():
         assert 1 <= len(r["tokens"]) <= 6 and r["stats"]["new_tokens"] == len(r["tokens"])
@@ -50,10 +55,11 @@ def test_jsonl_raw_and_chat_then_resume(tmp_path, target_dir):
     # An interrupted run: two lines done, the third torn mid-write.
     lines = out.read_text().splitlines()
     out.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:15])
-    result = run(target_dir, "--prompts", str(prompts), "--out", str(out), "--batch-size", "2")
+    result = run(target_dir, *args)
     assert result.exit_code == 0, result.output
     assert "2 of 5 prompts already done" in " ".join(result.output.split())
     good = [json.loads(x) for x in out.read_text().splitlines() if x.startswith("{") and x.endswith("}")]
+    assert len(good) == len(PROMPTS), [r["id"] for r in good]  # lines, not dict entries: no duplicates
     resumed = {json.dumps(r["id"]): (r["text"], r["tokens"]) for r in good}
     assert resumed == {k: (r["text"], r["tokens"]) for k, r in full.items()}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflax.checkpoints.model_files import cache_dir
+from dflax.checkpoints.model_files import cache_dir, source_hash
 from dflax.models.config import ModelConfig, UnsupportedArchitectureError
 
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
@@ -46,8 +46,8 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _GEMMA3_SLIDING_PATTERN = 6
 
-# Bump when the cached layout or ModelConfig's fields change, so stale cache entries are not read.
-_CACHE_VERSION = 2
+# The code whose output the cache holds: this conversion and ModelConfig's (de)serialisation.
+_CONVERSION_MODULES = (__name__, "dflax.models.config")
 
 
 def _field(reader, key, default=None):
@@ -161,7 +161,7 @@ def _dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 def _cache_entry(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(
-        f"{_CACHE_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+        f"{source_hash(*_CONVERSION_MODULES)}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     ).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{path.stem}-{key}"
 
@@ -170,7 +170,8 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Loads a GGUF checkpoint, dequantized once and then read from dflax's cache.
 
     Parsing a GGUF and dequantizing it takes seconds; the float32 result is saved as safetensors under
-    the cache directory (keyed by the file's path, size and mtime) and later loads read that instead.
+    the cache directory (keyed by the file's path, size and mtime and by the source of the converting code)
+    and later loads read that instead.
 
     Args:
       path: a .gguf file of a supported architecture.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import tempfile
@@ -14,6 +15,21 @@ _GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
 def cache_dir() -> Path:
     """dflax's cache directory: `$DFLAX_CACHE` if set, else `~/.cache/dflax`."""
     return Path(os.environ.get("DFLAX_CACHE") or Path.home() / ".cache" / "dflax")
+
+
+def source_hash(*modules: str) -> str:
+    """A short sha256 of the named modules' source files, for cache keys of what that code converts.
+
+    A cached conversion keyed on it is rebuilt whenever the converting code changes, so a stale entry
+    cannot stand in for what the current code would produce (no hand-bumped version to forget).
+
+    Args:
+      modules: dotted module names, e.g. "dflax.checkpoints.gguf_file".
+    """
+    digest = hashlib.sha256()
+    for name in modules:
+        digest.update(Path(importlib.util.find_spec(name).origin).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def smollm2_gguf_path() -> Path:

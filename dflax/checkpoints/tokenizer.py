@@ -39,8 +39,6 @@ _GGUF_SPECIAL_IDS = {
     "unk_token": "tokenizer.ggml.unknown_token_id",
     "pad_token": "tokenizer.ggml.padding_token_id",
 }
-# Part of the cache key: bump it when the GGUF conversion changes, so stale conversions are not reused.
-_CONVERSION_VERSION = 1
 
 
 class Tokenizer:
@@ -126,8 +124,8 @@ class Tokenizer:
 
         Args:
           path: the .gguf file.
-          cache_dir: where conversions are cached, one directory per file (name, size and mtime); defaults
-            to `model_files.cache_dir() / "tokenizers"`.
+          cache_dir: where conversions are cached, one directory per file (name, size and mtime) and
+            version of this module's source; defaults to `model_files.cache_dir() / "tokenizers"`.
 
         Raises:
           FileNotFoundError: when `path` does not exist.
@@ -141,7 +139,9 @@ class Tokenizer:
                 )
         stat = path.stat()
         root = Path(cache_dir) if cache_dir is not None else model_files.cache_dir() / "tokenizers"
-        converted = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_CONVERSION_VERSION}"
+        # Keyed on this module's source too: a changed conversion never reuses an older one's output.
+        code = model_files.source_hash(__name__)
+        converted = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{code}"
         if not (converted / "tokenizer.json").is_file():
             _save_atomically(*_convert_gguf(path), converted)
         return cls.from_hf_dir(converted)

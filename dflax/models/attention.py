@@ -21,7 +21,15 @@ from dflax.spec.cache import write_rows
 from pallas_kernels.tree_attention import resolve_backend, tree_attention
 from pallas_kernels.tree_attention.packed import packed_causal_attention
 
-ATTENTION_BACKENDS = ("reference", "chunked", "pallas", "pallas_interpret", "auto")
+ATTENTION_BACKENDS = (
+    "reference",
+    "chunked",
+    "pallas",
+    "pallas_tpu",
+    "pallas_gpu",
+    "pallas_interpret",
+    "auto",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +51,10 @@ class AttentionConfig:
       gemma_norm: q/k norms use Gemma's (1 + w) scale.
       sliding_window: keys older than this many positions are invisible (None = global).
       backend: "reference" (dense jnp, the specification), "chunked" (jnp whose cost follows the filled
-        cache: the CPU path), "pallas" (Pallas on TPU/GPU), "pallas_interpret" (Pallas in interpret
-        mode: CPU tests), "auto" (Pallas on TPU/GPU, chunked on CPU).
+        cache: the CPU path), "pallas" (the Pallas kernel of the TPU/GPU this process runs on),
+        "pallas_tpu" / "pallas_gpu" (that platform's kernel whatever this process runs on: compiling ahead
+        of time for a TPU or GPU topology from a CPU host), "pallas_interpret" (Pallas in interpret mode:
+        CPU tests), "auto" (Pallas on TPU/GPU, chunked on CPU).
     """
 
     hidden_size: int
@@ -73,10 +83,13 @@ def _kernel_backend(setting: str) -> tuple[str, bool]:
     """Maps an `attention_backend` setting to the kernel's (backend, interpret) arguments."""
     if setting == "pallas_interpret":
         return "gpu", True
+    if setting in ("pallas_tpu", "pallas_gpu"):
+        return setting.removeprefix("pallas_"), False
     if setting == "pallas" and jax.default_backend() not in ("tpu", "gpu"):
         raise ValueError(
-            "attention_backend='pallas' needs a TPU or GPU; on CPU use 'reference' (fast) or "
-            "'pallas_interpret' (runs the kernel in interpret mode, for tests)"
+            "attention_backend='pallas' needs a TPU or GPU; on CPU use 'auto' (the chunked CPU path) or "
+            "'pallas_interpret' (runs the kernel in interpret mode, for tests), or 'pallas_tpu' / "
+            "'pallas_gpu' to compile ahead of time for that platform (see dflax.aot)"
         )
     return (setting if setting in ("reference", "chunked") else "auto"), False
 

@@ -6,15 +6,21 @@ query tile of T * G rows, so every prefix KV tile is fetched from HBM once per K
 query token. The tree part (the T new tokens under the tree mask) and the prefix tiles feed one online
 softmax, which is the log-sum-exp merge of the two partial attentions done in VMEM.
 
-Grid: (batch, kv-head blocks, query-row blocks, prefix KV tiles), the last axis sequential. Per-row tile
-plans come in by scalar prefetch: tiles beyond cache_len (or wholly outside the sliding window) are skipped,
-their compute by `pl.when` and their DMA by clamping the KV index_map to the last needed tile (the pipeline
-does not re-fetch a block whose index did not change). Tiles wholly inside the valid range run unmasked.
+Grid: (batch, kv-head blocks, query-row blocks, prefix KV tiles + new-token chunks), the last axis
+sequential. Per-row tile plans come in by scalar prefetch: tiles beyond cache_len (or wholly outside the
+sliding window) are skipped, their compute by `pl.when` and their DMA by clamping the KV index_map to the
+last needed tile (the pipeline does not re-fetch a block whose index did not change). Tiles wholly inside
+the valid range run unmasked. The new tokens come in chunks of at most block_kv keys (a verification tree is
+one chunk; an 8k-token prefill is 16), and each query tile visits only the chunks its mask reaches, so a
+causal prefill skips the chunks above its diagonal.
 
-Cache layout stays [B, S, K, H] (viewed as [B, S, K * H] for free). A block's last dim must be a multiple
-of 128 lanes, so when head_dim is below 128 a block holds `kv_heads_per_block` heads side by side and each
-query head is zero-padded to the block's width: its dot product with the block only sees its own head's
-lanes, and the wrapper keeps the matching lanes of the output. No unaligned lane slicing happens in-kernel.
+Cache layout stays [B, S, K, H], viewed as [B, S, K * H]. That view is free in a row-major layout but not
+in the TPU's tiled HBM layout, where (K, H) are the tiled dims: XLA copies the cache into the new layout
+around each call (measured by compiling for v5e, tests/aot); a [B, K, S, H] cache would avoid it.
+A block's last dim must be a multiple of 128 lanes, so when head_dim is below 128 a block holds
+`kv_heads_per_block` heads side by side and each query head is zero-padded to the block's width: its dot
+product with the block only sees its own head's lanes, and the wrapper keeps the matching lanes of the
+output. No unaligned lane slicing happens in-kernel.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ class BlockSizes:
 
     Attributes:
       block_q: packed query rows (T * G) per tile, a multiple of 8. Verification trees (T <= 64, G <= 8)
-        fit one tile, so the prefix is read once per KV head; prefill splits into several tiles.
+        fit one tile, so the prefix is read once per KV head; prefill splits into several tiles. The
+        kernel halves it while its estimated VMEM would overflow the scoped limit (several fp32 heads per
+        block, e.g. 3 x 64-dim heads in 192 lanes, need 256).
       block_kv: cache slots per prefix KV tile and new keys per tree chunk, a multiple of 128. A cache of
         at most block_kv slots is one tile.
       kv_heads_per_block: KV heads per block; None picks the fewest whose lanes fill a multiple of 128.
@@ -56,6 +64,27 @@ class BlockSizes:
             raise ValueError(f"block_q={self.block_q} must be a positive multiple of 8 (TPU sublanes)")
         if self.block_kv <= 0 or self.block_kv % _LANES:
             raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 128 (TPU lanes)")
+
+
+_DEFAULT_SCOPED_VMEM = 16 * 2**20  # Mosaic's default scoped-VMEM limit on v5e (the smallest we target)
+
+
+def _fit_block_q(
+    block_q: int, hpb: int, width: int, block_kv: int, tree_chunk: int, itemsize: int, limit: int
+) -> int:
+    """block_q, halved until the kernel's estimated VMEM fits `limit` (at most down to 8 rows).
+
+    The estimate: KV tiles and new-token chunks (double-buffered), and per query row the q / output
+    blocks (double-buffered), the f32 accumulator, the running max and sum, the mask chunk and the f32
+    score temporaries of every head in the block. Checked against Mosaic's compile on v5e (fp32, three
+    64-dim heads per block: 512 rows need 18.4 MiB, 256 fit).
+    """
+    keys = max(block_kv, tree_chunk)  # keys scored per step
+    fixed = 4 * 2 * keys * width * itemsize
+    row = hpb * (width * (4 * itemsize + 4) + 2 * _LANES * 4 + 2 * keys * 4) + 2 * tree_chunk * 4
+    while block_q > 8 and fixed + block_q * row > 0.97 * limit:
+        block_q //= 2
+    return max(8, block_q)
 
 
 def _kv_heads_per_block(num_kv_heads: int, head_dim: int, requested: int | None) -> int:
@@ -87,19 +116,20 @@ def _lane_broadcast(x: jax.Array, width: int) -> jax.Array:
 
 def _tree_attention_kernel(
     bounds_ref,  # [B * 8] int32 (SMEM): per row cache_len, start, u0, u1, end, 0, 0, 0
+    chunks_ref,  # [B * QB * 2] int32 (SMEM): per (row, query tile) first and end tree chunk it sees
     q_ref,  # [hpb, block_q, width]: packed queries, head hh zero outside its own lanes
     k_ref,  # [block_kv, width]: prefix K tile (index clamped to the row's needed tiles)
     v_ref,  # [block_kv, width]: prefix V tile
-    k_new_ref,  # [u_pad, width]: keys of the new tokens
-    v_new_ref,  # [u_pad, width]: values of the new tokens
-    mask_ref,  # [block_q, u_pad] int32: 1 where packed row r may see new token u
+    k_new_ref,  # [tree_chunk, width]: keys of one chunk of new tokens (index clamped likewise)
+    v_new_ref,  # [tree_chunk, width]: values of that chunk
+    mask_ref,  # [block_q, tree_chunk] int32: 1 where packed row r may see new token u of the chunk
     *refs,  # qpos_ref [block_q, 1] int32 (sliding window only); o_ref [hpb, block_q, width];
     # scratch m_ref, l_ref [hpb, block_q, 128] f32 (lane-replicated), acc_ref [hpb, block_q, width] f32
     sm_scale: float,
     logit_soft_cap: float | None,
     sliding_window: int | None,
-    tree_chunk: int,
     num_kv_tiles: int,
+    num_q_tiles: int,
 ):
     if sliding_window is None:
         qpos_ref = None
@@ -108,9 +138,11 @@ def _tree_attention_kernel(
         qpos_ref, o_ref, m_ref, l_ref, acc_ref = refs
     hpb, block_q, width = q_ref.shape
     block_kv = k_ref.shape[0]
-    b, j = pl.program_id(0), pl.program_id(3)
+    b, qb, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     cache_len = bounds_ref[b * 8 + 0]
     start, u0, u1, end = (bounds_ref[b * 8 + i] for i in (1, 2, 3, 4))
+    tile = (b * num_q_tiles + qb) * 2
+    chunk = j - num_kv_tiles  # steps j >= num_kv_tiles are chunks of the new tokens
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
     def scores(q, k):  # [block_q, width] x [t, width] -> [block_q, t] f32 logits
@@ -138,17 +170,10 @@ def _tree_attention_kernel(
         acc_ref[hh] = _lane_broadcast(alpha, width) * acc_ref[hh] + _lane_broadcast(beta, width) * pv
 
     @pl.when(j == 0)
-    def _tree_part():
+    def _init():
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        u_pad = k_new_ref.shape[0]
-        for c0 in range(0, u_pad, tree_chunk):
-            c1 = min(c0 + tree_chunk, u_pad)
-            k, v = k_new_ref[c0:c1, :], v_new_ref[c0:c1, :]
-            valid = mask_ref[:, c0:c1] != 0
-            for hh in range(hpb):
-                update(hh, scores(q_ref[hh], k), valid, v)
 
     def prefix_tile(masked: bool):
         k, v = k_ref[...], v_ref[...]
@@ -169,7 +194,14 @@ def _tree_attention_kernel(
     pl.when(needed & unmasked)(functools.partial(prefix_tile, False))
     pl.when(needed & jnp.logical_not(unmasked))(functools.partial(prefix_tile, True))
 
-    @pl.when(j == num_kv_tiles - 1)
+    @pl.when((chunk >= chunks_ref[tile]) & (chunk < chunks_ref[tile + 1]))
+    def _tree_chunk():
+        k, v = k_new_ref[...], v_new_ref[...]
+        valid = mask_ref[...] != 0
+        for hh in range(hpb):
+            update(hh, scores(q_ref[hh], k), valid, v)
+
+    @pl.when(j == pl.num_programs(3) - 1)
     def _finalize():
         for hh in range(hpb):
             denom = l_ref[hh]
@@ -177,6 +209,18 @@ def _tree_attention_kernel(
                 denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0
             )  # all-masked rows -> 0
             o_ref[hh] = (acc_ref[hh] * _lane_broadcast(inv, width)).astype(o_ref.dtype)
+
+
+def _tree_chunk_bounds(mask: jax.Array, block_q: int, tree_chunk: int) -> jax.Array:
+    """[B, R, U] int32 packed row mask -> [B * QB * 2] int32: per (row, query tile) the first tree chunk
+    with a visible key and one past the last (0, 0 when it sees none). A causal prefill tile sees only
+    the chunks up to its diagonal, so the chunks above it are neither fetched nor computed."""
+    b, r, u = mask.shape
+    seen = mask.reshape(b, r // block_q, block_q, u // tree_chunk, tree_chunk).max(axis=(2, 4)) > 0
+    chunk_ids = jnp.arange(u // tree_chunk, dtype=jnp.int32)  # [C]
+    first = jnp.min(jnp.where(seen, chunk_ids, u // tree_chunk), axis=-1)
+    end = jnp.max(jnp.where(seen, chunk_ids + 1, 0), axis=-1)
+    return jnp.stack([jnp.minimum(first, end), end], axis=-1).reshape(-1)  # [B * QB * 2]
 
 
 @functools.partial(
@@ -235,48 +279,75 @@ def tree_attention_tpu(
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"block_sizes for the tpu backend must be tpu.BlockSizes, got {type(bs).__name__}")
     b, t, n, h = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    kv = k_cache.shape[2]
     g = n // kv
     hpb = _kv_heads_per_block(kv, h, bs.kv_heads_per_block)
     width = hpb * h
-    sublanes = 8 * max(1, 4 // jnp.dtype(q.dtype).itemsize)  # native (sublane, lane) tile: f32 8, bf16 16
-    block_q = min(bs.block_q, ref_lib.round_up(t * g, sublanes))
-    rows_pad = ref_lib.round_up(t * g, block_q)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    sublanes = 8 * max(1, 4 // itemsize)  # native (sublane, lane) tile: f32 8, bf16 16
+    cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[1])
+    if k_cache.shape[1] < sublanes:
+        # A one-slot KV tile makes Mosaic lower q @ k.T as a matrix-vector product, whose bf16 path fails
+        # verification (vector.broadcast bf16 -> f32); tiny caches (prefill pads the empty one to a
+        # single slot) are padded to a native tile instead. The padding is beyond cache_len: never read.
+        pad_s = ((0, 0), (0, sublanes - k_cache.shape[1]), (0, 0), (0, 0))
+        k_cache, v_cache = jnp.pad(k_cache, pad_s), jnp.pad(v_cache, pad_s)
+    s = k_cache.shape[1]
     block_kv = s if s <= bs.block_kv else bs.block_kv
     num_kv_tiles = pl.cdiv(s, block_kv)
-    u_pad = ref_lib.round_up(t, 8)
+    # New tokens go in chunks of at most block_kv keys (one chunk for a verification tree).
+    tree_chunk = ref_lib.round_up(t, 8) if t <= bs.block_kv else bs.block_kv
+    limit = bs.vmem_limit_bytes or _DEFAULT_SCOPED_VMEM
+    block_q = _fit_block_q(bs.block_q, hpb, width, block_kv, tree_chunk, itemsize, limit)
+    block_q = min(block_q, ref_lib.round_up(t * g, sublanes))
+    rows_pad = ref_lib.round_up(t * g, block_q)
+    u_pad = ref_lib.round_up(t, tree_chunk)
+    num_chunks = u_pad // tree_chunk
+    num_q_tiles = rows_pad // block_q
     scale = ref_lib.default_scale(h, sm_scale)
 
-    cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, s)
     positions = ref_lib.query_positions(cache_len, t, q_positions)
     new_vis = ref_lib.new_token_visibility(tree_mask, positions, sliding_window)
     mask = ref_lib.row_visibility(new_vis, g, rows_pad, u_pad)  # [B, rows_pad, u_pad]
     bounds = ref_lib.prefix_tile_bounds(cache_len, positions, sliding_window, block_kv).reshape(-1)
+    chunks = _tree_chunk_bounds(mask, block_q, tree_chunk)
 
     q_wide = _widen_queries(ref_lib.pack_queries(q, kv, rows_pad), hpb)  # [B, K/hpb, hpb, rows_pad, width]
-    k2 = k_cache.reshape(b, s, kv * h)  # free views: a block of `width` lanes is hpb heads of one slot
+    k2 = k_cache.reshape(b, s, kv * h)  # a block of `width` lanes is hpb heads of one slot
     v2 = v_cache.reshape(b, s, kv * h)
     pad_u = ((0, 0), (0, u_pad - t), (0, 0), (0, 0))
     kn2 = jnp.pad(k_new, pad_u).reshape(b, u_pad, kv * h)
     vn2 = jnp.pad(v_new, pad_u).reshape(b, u_pad, kv * h)
 
-    def kv_index(bi, hb, qb, j, bounds_ref):
+    # Index maps clamp to the needed tiles: the pipeline skips the DMA of a block whose index is unchanged.
+    def kv_index(bi, hb, qb, j, bounds_ref, chunks_ref):
         first, last = bounds_ref[bi * 8 + 1], bounds_ref[bi * 8 + 4] - 1
         tile = jnp.minimum(jnp.maximum(j, first), jnp.maximum(last, first))
         return bi, jnp.minimum(tile, num_kv_tiles - 1), hb
 
-    q_spec = pl.BlockSpec((None, None, hpb, block_q, width), lambda bi, hb, qb, j, _: (bi, hb, 0, qb, 0))
+    def chunk_of(bi, qb, j, chunks_ref):
+        at = (bi * num_q_tiles + qb) * 2
+        first, last = chunks_ref[at], chunks_ref[at + 1] - 1
+        return jnp.minimum(jnp.maximum(j - num_kv_tiles, first), jnp.maximum(last, first))
+
+    def new_index(bi, hb, qb, j, bounds_ref, chunks_ref):
+        return bi, chunk_of(bi, qb, j, chunks_ref), hb
+
+    def mask_index(bi, hb, qb, j, bounds_ref, chunks_ref):
+        return bi, qb, chunk_of(bi, qb, j, chunks_ref)
+
+    q_spec = pl.BlockSpec((None, None, hpb, block_q, width), lambda bi, hb, qb, j, *_: (bi, hb, 0, qb, 0))
     in_specs = [
         q_spec,
         pl.BlockSpec((None, block_kv, width), kv_index),
         pl.BlockSpec((None, block_kv, width), kv_index),
-        pl.BlockSpec((None, u_pad, width), lambda bi, hb, qb, j, _: (bi, 0, hb)),
-        pl.BlockSpec((None, u_pad, width), lambda bi, hb, qb, j, _: (bi, 0, hb)),
-        pl.BlockSpec((None, block_q, u_pad), lambda bi, hb, qb, j, _: (bi, qb, 0)),
+        pl.BlockSpec((None, tree_chunk, width), new_index),
+        pl.BlockSpec((None, tree_chunk, width), new_index),
+        pl.BlockSpec((None, block_q, tree_chunk), mask_index),
     ]
     operands = [q_wide, k2, v2, kn2, vn2, mask]
     if sliding_window is not None:
-        in_specs.append(pl.BlockSpec((None, block_q, 1), lambda bi, hb, qb, j, _: (bi, qb, 0)))
+        in_specs.append(pl.BlockSpec((None, block_q, 1), lambda bi, hb, qb, j, *_: (bi, qb, 0)))
         operands.append(ref_lib.row_positions(positions, g, rows_pad)[:, :, None])
 
     kernel = functools.partial(
@@ -284,10 +355,9 @@ def tree_attention_tpu(
         sm_scale=scale,
         logit_soft_cap=logit_soft_cap,
         sliding_window=sliding_window,
-        tree_chunk=bs.block_kv,
         num_kv_tiles=num_kv_tiles,
+        num_q_tiles=num_q_tiles,
     )
-    itemsize = jnp.dtype(k_cache.dtype).itemsize
     cost = pl.CostEstimate(
         flops=4 * b * n * t * (s + t) * h,
         transcendentals=b * n * t * (s + t),
@@ -296,8 +366,8 @@ def tree_attention_tpu(
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(b, kv // hpb, rows_pad // block_q, num_kv_tiles),
+            num_scalar_prefetch=2,
+            grid=(b, kv // hpb, num_q_tiles, num_kv_tiles + num_chunks),
             in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[
@@ -314,7 +384,7 @@ def tree_attention_tpu(
         cost_estimate=cost,
         interpret=pltpu.InterpretParams() if interpret is True else interpret,
         name="tree_attention_tpu",
-    )(bounds, *operands)
+    )(bounds, chunks, *operands)
     return ref_lib.unpack_queries(_narrow_outputs(out, h), t, n)
 
 

@@ -1,27 +1,31 @@
 """Speculative sampling through the whole decode loop matches the target's own distribution.
 
 A tiny target with top-k 3 has at most 27 possible 3-token continuations, so their exact probabilities
-are computable. 4096 generations with an untrained (deliberately poor) DFlash drafter, verified by the
-delta rule (greedy drafts) and by the ratio rule (drafts sampled from q), must match them (chi-square).
+are computable (float64, from the definition in sampling_definition). 4096 generations with an untrained
+(deliberately poor) DFlash drafter, verified by the delta rule (greedy drafts) and by the ratio rule (drafts
+sampled from q at drafter temperature 0.7), must match them (chi-square). Drafts are rarely accepted here;
+test_dflash_proposal checks the q that sampled drafts are sent with, and tests/spec/test_decode_sampling
+the loop with drafts that are often accepted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampling_definition import target_probs
 from scipy import stats
 from tiny_checkpoints import full_sequence_logits
 
 import dflax
 from dflax.drafters import DraftSampling, load_drafter
 from dflax.generation import generate_ids
-from dflax.spec.sampling import SamplingParams, target_log_probs
+from dflax.spec.sampling import SamplingParams
 
 PROMPT = [7, 8, 9, 10]
 N_ROWS, ROUNDS = 256, 16
+DRAFT_TEMPERATURE = 0.7  # sampled drafts are drawn at a temperature other than the target's
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +33,12 @@ def target(tiny_checkpoint):
     return dflax.load_target(str(tiny_checkpoint("llama")[0]))
 
 
-def exact_distribution(target, sampling) -> dict[tuple[int, ...], float]:
-    """P(t1, t2, t3) by enumerating the kept tokens at each step."""
+def exact_distribution(target, settings: dict) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) by enumerating the kept tokens at each step (float64 definition of the settings)."""
 
     def step(prefix):
-        logp = np.asarray(target_log_probs(jnp.asarray(full_sequence_logits(target, prefix)[-1]), sampling))
-        return {int(t): float(np.exp(logp[t])) for t in np.flatnonzero(logp > -1e29)}
+        probs = target_probs(full_sequence_logits(target, prefix)[-1], **settings)
+        return {int(t): float(probs[t]) for t in np.flatnonzero(probs > 0)}
 
     out = {}
     for t1, p1 in step(PROMPT).items():
@@ -64,22 +68,24 @@ def sampled_counts(target, sampling, drafter) -> dict[tuple[int, ...], int]:
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_speculative_sampling_matches_target(target, mode, temperature, top_p):
-    drafter = load_drafter("untrained", target, block_size=4, draft_sampling=DraftSampling(mode, 1.0))
-    assert_matches_target(target, SamplingParams.make(temperature=temperature, top_k=3, top_p=top_p), drafter)
+    sampling = DraftSampling(mode, DRAFT_TEMPERATURE)
+    drafter = load_drafter("untrained", target, block_size=4, draft_sampling=sampling)
+    assert_matches_target(target, dict(temperature=temperature, top_k=3, top_p=top_p), drafter)
 
 
 def test_sampled_drafts_from_a_draft_vocabulary_match_target(target):
     """q is zero outside the draft vocabulary (half the tokens here); the ratio rule must stay exact."""
-    drafter = load_drafter("untrained", target, block_size=4, draft_sampling=DraftSampling("sample", 1.0))
+    sampling = DraftSampling("sample", DRAFT_TEMPERATURE)
+    drafter = load_drafter("untrained", target, block_size=4, draft_sampling=sampling)
     vocab = np.arange(0, target.config.vocab_size, 2, dtype=np.int32)
     drafter = dataclasses.replace(drafter, proposer=dataclasses.replace(drafter.proposer, draft_vocab=vocab))
-    assert_matches_target(target, SamplingParams.make(temperature=1.0, top_k=3), drafter)
+    assert_matches_target(target, dict(temperature=1.0, top_k=3), drafter)
 
 
-def assert_matches_target(target, sampling, drafter):
+def assert_matches_target(target, settings: dict, drafter):
     """Chi-square test of the sampled 3-token continuations against their exact probabilities."""
-    exact = exact_distribution(target, sampling)
-    counts = sampled_counts(target, sampling, drafter)
+    exact = exact_distribution(target, settings)
+    counts = sampled_counts(target, SamplingParams.make(**settings), drafter)
     assert set(counts) <= set(exact), "generated a sequence the target cannot produce"
     keys = list(exact)
     observed = np.array([counts.get(k, 0) for k in keys], np.float64)
@@ -93,4 +99,4 @@ def assert_matches_target(target, sampling, drafter):
 
 
 def test_exact_distribution_has_the_expected_support(target):
-    assert len(exact_distribution(target, SamplingParams.make(1.0, top_k=3))) == 27
+    assert len(exact_distribution(target, dict(temperature=1.0, top_k=3))) == 27

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampling_definition import target_probs
 from scipy import stats
 
 from dflax.spec.acceptance import _commit, accept_delta, accept_greedy, accept_ratio, sample_draft
@@ -123,10 +124,10 @@ def test_accept_ratio_accepts_everything_when_q_equals_p():
 # Losslessness on a toy target with an exactly known distribution.
 
 
-def _exact_joint(params: SamplingParams) -> np.ndarray:
-    """[V ** NUM_GENERATED] the target's exact probability of each continuation of PROMPT."""
-    p = np.exp(np.asarray(jax.jit(target_log_probs)(TARGET_TABLE, params), np.float64))  # [V, V, V]
-    p /= p.sum(axis=-1, keepdims=True)
+def _exact_joint(settings: dict) -> np.ndarray:
+    """[V ** NUM_GENERATED] the target's exact probability of each continuation of PROMPT (float64, by the
+    definition in sampling_definition, not by the code under test)."""
+    p = target_probs(TARGET_TABLE, **settings)  # [V, V, V]
     a, b = PROMPT
     return np.einsum("i,ij,ijk->ijk", p[a, b], p[b], p).reshape(-1)
 
@@ -188,7 +189,7 @@ def _compare_with_exact(rule, drafter, settings: dict, seed: int = 0) -> tuple[f
     generated = np.asarray(generated)
     index = (generated * VOCAB ** np.arange(NUM_GENERATED - 1, -1, -1)).sum(axis=1)
     observed = np.bincount(index, minlength=VOCAB**NUM_GENERATED).astype(np.float64)
-    exact = _exact_joint(params)
+    exact = _exact_joint(settings)
     total_variation = 0.5 * np.abs(observed / NUM_SAMPLES - exact).sum()
     accepted_histogram = np.bincount(np.asarray(num_accepted).reshape(-1), minlength=DRAFT_LEN + 1)
     if observed[exact == 0].sum() > 0:

@@ -1,4 +1,5 @@
-"""The top-k / top-p filter: the exact kept set, the candidate path vs the full sort, batch independence."""
+"""The target distribution: temperature, top-k and top-p against their float64 definition, the candidate
+path vs the full sort, batch independence."""
 
 from __future__ import annotations
 
@@ -7,24 +8,11 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampling_definition import kept_set, target_probs
 
 from dflax.spec import sampling
 
 VOCAB = 4096  # > the filter's candidate count, so both of its paths run
-
-
-def kept_by_definition(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """float64 reference: the top-k set, then the smallest most-likely prefix whose mass reaches top_p."""
-    order = np.argsort(-logits, kind="stable")
-    k = top_k if top_k > 0 else logits.size
-    in_k = order[:k]
-    probs = np.exp(logits[in_k] - logits[in_k].max())
-    probs /= probs.sum()
-    before = np.cumsum(probs) - probs
-    n_keep = max(int(np.sum(before < top_p)), 1)
-    kept = np.zeros(logits.size, bool)
-    kept[logits >= logits[in_k[n_keep - 1]]] = True
-    return kept
 
 
 def kept(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -44,8 +32,20 @@ def test_kept_set_matches_the_definition(top_k, top_p):
     logits = rows([8.0, 4.0, 2.0, 0.5])
     got = kept(logits, top_k, top_p)
     for row, got_row in zip(logits, got):
-        want = kept_by_definition(row.astype(np.float64), top_k, top_p)
+        want = kept_set(row.astype(np.float64), top_k, top_p)
         assert (got_row == want).all(), (int(got_row.sum()), int(want.sum()))
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(0.7, 0, 0.9), (1.6, 40, 0.8), (0.5, 600, 1.0), (2.0, 0, 0.5), (0.0, 0, 0.9)],
+)
+def test_distribution_matches_the_definition(temperature, top_k, top_p):
+    """Temperature first, then top-k and the nucleus of the tempered distribution (float64 definition)."""
+    logits = rows([8.0, 4.0, 2.0, 0.5])
+    params = sampling.SamplingParams.make(temperature, top_k, top_p)
+    got = np.exp(np.asarray(sampling.target_log_probs(jnp.asarray(logits), params), np.float64))
+    np.testing.assert_allclose(got, target_probs(logits, temperature, top_k, top_p), atol=1e-6, rtol=1e-4)
 
 
 def test_a_row_keeps_the_same_set_alone_and_beside_a_row_needing_the_full_sort():

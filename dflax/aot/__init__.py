@@ -1,0 +1,30 @@
+"""Ahead-of-time compilation for TPUs on a machine without them (libtpu's deviceless compile).
+
+The TPU compiler, Mosaic included, runs on this host: kernels and whole generation programs are compiled
+for a named TPU topology from shapes alone, and the compiler reports their memory and cost.
+"""
+
+from dflax.aot.generation import STAGES, CompiledStage, StepShape, compile_generation
+from dflax.aot.models import PRESETS, ModelPlan, model_plan
+from dflax.aot.plan import plan
+from dflax.aot.report import CompiledNumbers, markdown_table
+from dflax.aot.topology import TpuCompilerUnavailableError, on_device, tpu_topology
+
+__all__ = [
+    # Topologies and abstract inputs.
+    "tpu_topology",
+    "on_device",
+    "TpuCompilerUnavailableError",
+    # What to compile.
+    "PRESETS",
+    "ModelPlan",
+    "model_plan",
+    "StepShape",
+    "STAGES",
+    # Compiling and reporting.
+    "compile_generation",
+    "CompiledStage",
+    "plan",
+    "CompiledNumbers",
+    "markdown_table",
+]
