@@ -223,19 +223,20 @@ class Attention(nn.Module):
         k, v = self.project_kv(x, token_positions)  # [B, T, K, H]
         # The new tokens are attended at the cache's precision, as every later step will see them.
         k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
-        if packing is not None and _attends_packed(cfg):  # a prompt on the CPU: attention on the pack
-            out = packed_causal_attention(
-                q[0], k[0], v[0], packing.segment_ids, token_positions[0], sm_scale=cfg.scale,
-                sliding_window=cfg.sliding_window,
-            )  # fmt: skip
-            k, v = packing.unpack(k[0]), packing.unpack(v[0])  # [B, T, K, H]: for the cache
-            if write_cache:
-                k_cache, v_cache = write_rows(k_cache, k, cache_len), write_rows(v_cache, v, cache_len)
-            return self.o_proj(out.reshape(1, packing.size, -1)), k_cache, v_cache
-        if packing is not None:  # [1, L, ., H] -> [B, T, ., H]
-            q, k, v = (packing.unpack(a[0]) for a in (q, k, v))
+        packed_out = None
+        if packing is not None:
+            if _attends_packed(cfg):  # a prompt on the CPU: attention on the pack itself
+                packed_out = packed_causal_attention(
+                    q[0], k[0], v[0], packing.segment_ids, token_positions[0], sm_scale=cfg.scale,
+                    sliding_window=cfg.sliding_window,
+                ).reshape(1, packing.size, -1)  # fmt: skip
+            else:
+                q = packing.unpack(q[0])  # [B, T, N, H]
+            k, v = packing.unpack(k[0]), packing.unpack(v[0])  # [B, T, K, H]
         if write_cache:
             k_cache, v_cache = write_rows(k_cache, k, cache_len), write_rows(v_cache, v, cache_len)
+        if packed_out is not None:
+            return self.o_proj(packed_out), k_cache, v_cache
         k_read, v_read = (k_cache[:, :0], v_cache[:, :0]) if empty_cache else (k_cache, v_cache)
         out = attend(cfg, q, k_read, v_read, cache_len, k, v, new_mask, positions, causal)  # [B, T, N, H]
         out = out.reshape(b, t, -1) if packing is None else packing.pack(out.reshape(b, t, -1))[None]
