@@ -116,7 +116,7 @@ def tree_attention_chunked(
         state = (m[:, lo:hi], denom[:, lo:hi], acc[:, lo:hi])
         scores = cap(jnp.einsum("BTKGH,BUKH->BTKGU", qf[:, lo:hi], kn[:, :keys], precision=_HI))
         vis = new_vis[:, lo:hi, None, None, :keys]  # [B, Tq, 1, 1, U]
-        _, lb, accb = _online_update(state, scores, vis, vn[:, :keys], "BTKGU,BUKH->BTKGH")
+        _, lb, accb = online_update(state, scores, vis, vn[:, :keys], "BTKGU,BUKH->BTKGH")
         outs.append(accb * jnp.where(lb > 0, 1.0 / jnp.where(lb > 0, lb, 1.0), 0.0)[..., None])
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)  # [B, T, K, G, H]
     return out.reshape(b, t, n, h).astype(q.dtype)
@@ -156,7 +156,7 @@ def _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, sta
 
     def chunk_body(state, kc, vc, vis):
         scores = cap(jnp.einsum("BTKGH,BCKH->BTKGC", qf, kc, precision=_HI))
-        return _online_update(state, scores, vis[:, :, None, None, :], vc, "BTKGC,BCKH->BTKGH")
+        return online_update(state, scores, vis[:, :, None, None, :], vc, "BTKGC,BCKH->BTKGH")
 
     c = chunk_size(k_cache.shape[1], positions.shape[1])
     return _chunk_loop(k_cache, v_cache, cache_len, positions, sliding_window, c, chunk_body, state)
@@ -178,14 +178,8 @@ def _prefix_single_query(qf, k_cache, v_cache, cache_len, positions, sliding_win
     def chunk_body(state, kc, vc, vis):
         c = kc.shape[1]
         scores = cap(jnp.einsum("BCX,BXY->BCY", kc.reshape(b, c, kv * h), q_block, precision=_HI))
-        visible = vis[:, 0, :, None]  # [B, C, 1]
-        m, denom, acc = state  # [B, K * G], [B, K * G], [B, K * G, K * H]
-        scores = jnp.where(visible, scores, MASK_VALUE)  # [B, C, K * G]
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        p = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)
-        rescale = jnp.exp(m - m_new)
-        mixed = jnp.einsum("BCY,BCX->BYX", p, vc.reshape(b, c, kv * h), precision=_HI)
-        return m_new, denom * rescale + p.sum(axis=1), acc * rescale[..., None] + mixed
+        # state: [B, K * G], [B, K * G], [B, K * G, K * H]; the softmax runs over the chunk's axis 1.
+        return online_update(state, scores, vis[:, 0, :, None], vc.reshape(b, c, kv * h), "BCY,BCX->BYX", 1)
 
     m, denom, acc = (x.reshape(b, kv * g, *x.shape[4:]) for x in state)
     acc = jnp.tile(acc, (1, 1, kv))  # [B, K * G, K * H]: the off-diagonal blocks start at zero too
@@ -197,12 +191,25 @@ def _prefix_single_query(qf, k_cache, v_cache, cache_len, positions, sliding_win
     return m.reshape(b, 1, kv, g), denom.reshape(b, 1, kv, g), acc[:, None]
 
 
-def _online_update(state, scores, visible, values, mix):
-    """One online-softmax step: folds scores [B, T, K, G, X] (visible where `visible`) into the state."""
+def online_update(state, scores, visible, values, mix, axis=-1):
+    """One online-softmax step: folds scores (visible where `visible`) into the state.
+
+    Args:
+      state: (running max, running denominator, running numerator): the max and denominator have the
+        scores' shape without `axis`, the numerator one more trailing dimension.
+      scores: the logits of one block of keys, the keys along `axis`.
+      visible: bool, broadcastable to scores.
+      values: the block's values, mixed with the probabilities by the einsum `mix`.
+      mix: einsum from (probabilities, values) to the numerator's shape.
+      axis: the keys' axis of scores.
+
+    Returns:
+      The updated state.
+    """
     m, denom, acc = state
     scores = jnp.where(visible, scores, MASK_VALUE)
-    m_new = jnp.maximum(m, scores.max(axis=-1))
-    p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+    m_new = jnp.maximum(m, scores.max(axis=axis))
+    p = jnp.where(visible, jnp.exp(scores - jnp.expand_dims(m_new, axis)), 0.0)
     rescale = jnp.exp(m - m_new)
     acc = acc * rescale[..., None] + jnp.einsum(mix, p, values, precision=_HI)
-    return m_new, denom * rescale + p.sum(axis=-1), acc
+    return m_new, denom * rescale + p.sum(axis=axis), acc

@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.tree_attention.chunked import online_update
 from pallas_kernels.tree_attention.reference import MASK_VALUE, default_scale
 
 _HI = jax.lax.Precision.HIGHEST
@@ -96,14 +97,8 @@ def packed_causal_attention(
             vis = vis & (seg_q[:, None] >= 0)  # the unused tail sees nothing
             if sliding_window is not None:
                 vis = vis & (pos_q[:, None] - pos_k[None, :] < sliding_window)
-            vis = vis[:, None, None, :]  # [Q, 1, 1, C]
-            m, denom, acc = state
-            scores = jnp.where(vis, jnp.einsum("QKGH,CKH->QKGC", qb, kb, precision=_HI), MASK_VALUE)
-            m_new = jnp.maximum(m, scores.max(axis=-1))
-            p = jnp.where(vis, jnp.exp(scores - m_new[..., None]), 0.0)
-            rescale = jnp.exp(m - m_new)
-            acc = acc * rescale[..., None] + jnp.einsum("QKGC,CKH->QKGH", p, vb, precision=_HI)
-            return m_new, denom * rescale + p.sum(axis=-1), acc
+            scores = jnp.einsum("QKGH,CKH->QKGC", qb, kb, precision=_HI)
+            return online_update(state, scores, vis[:, None, None, :], vb, "QKGC,CKH->QKGH")
 
         first_key = jax.lax.dynamic_index_in_dim(first_visible, lo_q, keepdims=False)
         state = (
