@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from dflax.aot.models import ModelPlan
 from dflax.aot.topology import on_device
+from dflax.checkpoints.params import abstract_params
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, DraftSampling, init_drafter_params
 from dflax.models.transformer import Transformer
 from dflax.spec.cache import KVCache
@@ -77,21 +78,7 @@ def kernel_setting(attention_backend: str, platform: str) -> str:
 
 def _target_params(module: Transformer) -> dict:
     """The target's parameter tree as ShapeDtypeStructs (traced with the reference attention)."""
-    reference = module.clone(attention_backend="reference")
-    config = module.config
-
-    def init():
-        cache = KVCache.init(config, 1, 1, module.dtype)
-        return reference.init(
-            jax.random.key(0),
-            jnp.zeros((1, 1), jnp.int32),
-            jnp.zeros((1, 1), jnp.int32),
-            cache,
-            jnp.ones((1, 1, 1), bool),
-            method=lambda m, *args: m.logits(m(*args)[0]),  # also creates the read-out's parameters
-        )
-
-    return jax.eval_shape(init)
+    return abstract_params(module.clone(attention_backend="reference"))
 
 
 def compile_generation(

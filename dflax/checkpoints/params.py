@@ -40,13 +40,12 @@ def param_shapes(params: dict) -> dict[tuple[str, ...], tuple[int, ...]]:
     return {path: leaf.shape for path, leaf in flax.traverse_util.flatten_dict(params["params"]).items()}
 
 
-def expected_param_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """The module's parameter paths and shapes, computed without allocating weights."""
-    model = Transformer(config)
+def abstract_params(module: Transformer) -> dict:
+    """The module's parameter tree as ShapeDtypeStructs, without allocating weights."""
 
     def init():
-        cache = KVCache.init(config, 1, 1, jnp.float32)
-        return model.init(
+        cache = KVCache.init(module.config, 1, 1, module.dtype)
+        return module.init(
             jax.random.key(0),
             jnp.zeros((1, 1), jnp.int32),
             jnp.zeros((1, 1), jnp.int32),
@@ -55,7 +54,12 @@ def expected_param_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[in
             method=lambda m, *args: m.logits(m(*args)[0]),  # also creates the read-out's parameters
         )
 
-    return param_shapes(jax.eval_shape(init))
+    return jax.eval_shape(init)
+
+
+def expected_param_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The module's parameter paths and shapes, computed without allocating weights."""
+    return param_shapes(abstract_params(Transformer(config)))
 
 
 def map_tensors(
