@@ -144,7 +144,7 @@ def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> d
         "decode_s": decode_s,
         "prefill_s": sum(b["prefill_s"] for b in per_batch),
         "median_prefill_s": statistics.median(b["prefill_s"] for b in per_batch),
-        "prefill_tokens_per_s": sum(b.get("prompt_tokens", 0) for b in per_batch)
+        "prefill_tokens_per_s": sum(b["prompt_tokens"] for b in per_batch)
         / sum(b["prefill_s"] for b in per_batch),
         "step_s": decode_s / loop_steps if loop_steps else None,  # one decode-loop iteration (dflax)
         "tau": sum(b["committed"] for b in per_batch) / steps if steps else 1.0,
