@@ -7,10 +7,10 @@ Public API:
   SamplingParams, ModelConfig, Target, GenerationResult
 """
 
+from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import Drafter, DraftSampling, load_drafter
 from dflax.generation import GenerationResult, PromptTooLongError, generate
 from dflax.models.config import ModelConfig, UnsupportedArchitectureError
-from dflax.spec.sampling import SamplingParams
 from dflax.target import Target, load_target
 
 __all__ = [

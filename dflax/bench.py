@@ -20,10 +20,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from dflax.decoding.sampling import SamplingParams
 from dflax.generation import encode_prompt, fit_to_context, generate_ids
 from dflax.prompts import load_prompts
 from dflax.roofline import measure_roofline, median_time, step_floor_s
-from dflax.spec.sampling import SamplingParams
 from dflax.target import Target, load_target
 
 BENCH_METHODS = ("ar", "dflash", "hf")
@@ -280,8 +280,8 @@ def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: i
     """
     import jax.numpy as jnp
 
+    from dflax.decoding.cache import KVCache
     from dflax.models.transformer import Transformer
-    from dflax.spec.cache import KVCache
 
     module = target.module
     slots = context + max(COST_CURVE_SIZES) + 64
@@ -318,7 +318,7 @@ def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: i
     }
     cache = empty_cache(slots)
     if drafter is not None:
-        from dflax.spec.decode import DecodeState
+        from dflax.decoding.decode import DecodeState
 
         proposer = drafter.proposer
         dstate = proposer.init_state(1, slots, target.dtype).replace(

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflax.spec.cache import KVCache
-from dflax.spec.decode import Proposer, decode_loop, prefill
-from dflax.spec.sampling import SamplingParams
+from dflax.decoding.cache import KVCache
+from dflax.decoding.decode import Proposer, decode_loop, prefill
+from dflax.decoding.sampling import SamplingParams
 from dflax.target import Target
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """The target distribution that sampling settings define, written from the definition in float64 numpy.
 
-The tests' oracle for `dflax.spec.sampling.target_log_probs`: exact distributions built with this, not with
-the code under test, so a wrong temperature (logits * T), a filter applied before the temperature or a
-wrong nucleus boundary shows as a mismatch. The order is the one HF transformers and llama.cpp use:
+The tests' oracle for `dflax.decoding.sampling.target_log_probs`: exact distributions built with this, not
+with the code under test, so a wrong temperature (logits * T), a filter applied before the temperature
+or a wrong nucleus boundary shows as a mismatch. The order is the one HF transformers and llama.cpp use:
 temperature, then top-k, then top-p over the tempered top-k distribution.
 """
 

@@ -114,8 +114,8 @@ def full_sequence_logits(target, ids: list[int]):
     import jax.numpy as jnp
     import numpy as np
 
+    from dflax.decoding.cache import KVCache
     from dflax.models.transformer import Transformer
-    from dflax.spec.cache import KVCache
 
     t = len(ids)
     cache = KVCache.init(target.config, 1, t, target.dtype)

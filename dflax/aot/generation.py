@@ -17,11 +17,11 @@ import jax.numpy as jnp
 from dflax.aot.models import ModelPlan
 from dflax.aot.topology import on_device
 from dflax.checkpoints.params import abstract_params
+from dflax.decoding.cache import KVCache
+from dflax.decoding.decode import decode_loop, decode_step, prefill
+from dflax.decoding.sampling import SamplingParams
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, DraftSampling, init_drafter_params
 from dflax.models.transformer import Transformer
-from dflax.spec.cache import KVCache
-from dflax.spec.decode import decode_loop, decode_step, prefill
-from dflax.spec.sampling import SamplingParams
 
 STAGES = ("prefill", "decode_step", "decode_loop")
 

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflax.decoding.cache import KVCache
 from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
-from dflax.spec.cache import KVCache
 
 # Prefixes under which HF wrappers keep the decoder (CausalLM, multimodal Gemma 3).
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")

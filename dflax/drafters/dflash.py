@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflax.decoding.cache import KVCache, write_rows
+from dflax.decoding.sampling import NEG_INF, SamplingParams, categorical, target_log_probs
 from dflax.models.config import ModelConfig
 from dflax.models.layers import Linear, RMSNorm
 from dflax.models.transformer import DecoderLayer, Transformer
-from dflax.spec.cache import KVCache, write_rows
-from dflax.spec.sampling import NEG_INF, SamplingParams, categorical, target_log_probs
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[int, ...]:

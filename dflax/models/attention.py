@@ -14,10 +14,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflax.decoding.cache import write_rows
 from dflax.models.config import RopeScaling
 from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 from dflax.models.packing import Packing
-from dflax.spec.cache import write_rows
 from pallas_kernels.tree_attention import resolve_backend, tree_attention
 from pallas_kernels.tree_attention.packed import packed_causal_attention
 

@@ -11,11 +11,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflax.decoding.cache import KVCache
 from dflax.models.attention import Attention, AttentionConfig
 from dflax.models.config import ModelConfig
 from dflax.models.layers import GatedMLP, Linear, RMSNorm
 from dflax.models.packing import Packing
-from dflax.spec.cache import KVCache
 
 
 def attention_config(config: ModelConfig, layer_idx: int, backend: str = "auto") -> AttentionConfig:

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dflax.decoding.cache import KVCache
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer
 from dflax.drafters.draft_vocab import vocab_index
 from dflax.models.transformer import Transformer
-from dflax.spec.cache import KVCache
 
 # The paper's decay of the position weights per block size.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

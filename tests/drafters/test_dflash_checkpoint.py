@@ -12,11 +12,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import dflax
+from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import DFlashConfig, load_drafter
 from dflax.drafters.checkpoint import config_from_json, config_to_json, save_drafter
 from dflax.drafters.dflash import DFlashDrafter, init_drafter_params
 from dflax.generation import generate_ids
-from dflax.spec.sampling import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12]]
 

@@ -16,10 +16,10 @@ import pytest
 from tiny_checkpoints import full_sequence_logits
 
 import dflax
+from dflax.decoding.cache import KVCache
+from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import load_drafter
 from dflax.generation import generate_ids
-from dflax.spec.cache import KVCache
-from dflax.spec.sampling import SamplingParams
 
 # Top-2 logit gap below which a greedy divergence is a numerical tie, by the target's dtype. bf16: a few
 # ulps (2^-7 relative) of logits of magnitude 1 to 4, where a block and a single token round differently.
@@ -190,7 +190,7 @@ def test_mixed_batch_equals_each_prompt_alone(target):
 
 def test_drafter_context_cache_tracks_committed_tokens(target):
     """After generation the drafter's context length equals the target's committed length."""
-    from dflax.spec.decode import decode_loop, prefill
+    from dflax.decoding.decode import decode_loop, prefill
 
     drafter = load_drafter("untrained", target, block_size=8)
     proposer = drafter.proposer

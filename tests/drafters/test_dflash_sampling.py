@@ -4,7 +4,7 @@ A tiny target with top-k 3 has at most 27 possible 3-token continuations, so the
 are computable (float64, from the definition in sampling_definition). 4096 generations with an untrained
 (deliberately poor) DFlash drafter, verified by the delta rule (greedy drafts) and by the ratio rule (drafts
 sampled from q at drafter temperature 0.7), must match them (chi-square). Drafts are rarely accepted here;
-test_dflash_proposal checks the q that sampled drafts are sent with, and tests/spec/test_decode_sampling
+test_dflash_proposal checks the q that sampled drafts are sent with, and tests/decoding/test_decode_sampling
 the loop with drafts that are often accepted.
 """
 
@@ -19,9 +19,9 @@ from scipy import stats
 from tiny_checkpoints import full_sequence_logits
 
 import dflax
+from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import DraftSampling, load_drafter
 from dflax.generation import generate_ids
-from dflax.spec.sampling import SamplingParams
 
 PROMPT = [7, 8, 9, 10]
 N_ROWS, ROUNDS = 256, 16

@@ -13,12 +13,12 @@ from safetensors.numpy import load_file, save_file
 
 import dflax
 from dflax.checkpoints.params import CheckpointError
+from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import load_drafter
 from dflax.drafters.checkpoint import save_drafter
 from dflax.drafters.draft_vocab import check_draft_vocab, frequent_tokens, vocab_index
 from dflax.generation import generate_ids
 from dflax.models.transformer import Transformer
-from dflax.spec.sampling import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40]]
 

@@ -13,8 +13,8 @@ import torch
 from tiny_checkpoints import TINY_ARCHS, full_sequence_logits
 
 import dflax
+from dflax.decoding.sampling import SamplingParams
 from dflax.generation import generate_ids
-from dflax.spec.sampling import SamplingParams
 
 LOGIT_ATOL = 1e-4
 

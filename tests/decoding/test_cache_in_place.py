@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 import dflax
-from dflax.spec.cache import KVCache
-from dflax.spec.decode import decode_loop, prefill
-from dflax.spec.sampling import SamplingParams
+from dflax.decoding.cache import KVCache
+from dflax.decoding.decode import decode_loop, prefill
+from dflax.decoding.sampling import SamplingParams
 
 BATCH, SLOTS, PROMPT = 3, 328, 16  # 328 slots: a shape no other array of the step has
 

@@ -23,11 +23,11 @@ import pytest
 from sampling_definition import kept_set, target_probs
 from scipy import stats
 
+from dflax.decoding.cache import KVCache
+from dflax.decoding.decode import decode_loop, prefill
+from dflax.decoding.sampling import SamplingParams
 from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
-from dflax.spec.cache import KVCache
-from dflax.spec.decode import decode_loop, prefill
-from dflax.spec.sampling import SamplingParams
 
 VOCAB = 6
 PROMPT = [1, 4, 2]

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflax.spec.sampling import (
+from dflax.decoding.sampling import (
     NEG_INF,
     SamplingParams,
     categorical,

@@ -13,8 +13,8 @@ import pytest
 from sampling_definition import target_probs
 from scipy import stats
 
-from dflax.spec.acceptance import _commit, accept_delta, accept_greedy, accept_ratio, sample_draft
-from dflax.spec.sampling import SamplingParams, sample, target_log_probs
+from dflax.decoding.acceptance import _commit, accept_delta, accept_greedy, accept_ratio, sample_draft
+from dflax.decoding.sampling import SamplingParams, sample, target_log_probs
 
 VOCAB = 6
 DRAFT_LEN = 3

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dflax.decoding.acceptance import accept_delta, accept_ratio
+from dflax.decoding.cache import KVCache, write_rows
+from dflax.decoding.sampling import SamplingParams, sample, split_keys
 from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
-from dflax.spec.acceptance import accept_delta, accept_ratio
-from dflax.spec.cache import KVCache, write_rows
-from dflax.spec.sampling import SamplingParams, sample, split_keys
 
 
 class Proposer(Protocol):

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 import dflax
+from dflax.decoding.cache import KVCache
+from dflax.decoding.decode import prefill
+from dflax.decoding.sampling import SamplingParams
 from dflax.generation import packed_bucket
 from dflax.models.packing import Packing
-from dflax.spec.cache import KVCache
-from dflax.spec.decode import prefill
-from dflax.spec.sampling import SamplingParams
 
 LENGTHS = [45, 1, 60, 7]  # a one-token prompt; rows inside and across the pack's blocks of 64
 BUCKET = 64

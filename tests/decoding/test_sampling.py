@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from sampling_definition import kept_set, target_probs
 
-from dflax.spec import sampling
+from dflax.decoding import sampling
 
 VOCAB = 4096  # > the filter's candidate count, so both of its paths run
 
