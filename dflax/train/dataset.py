@@ -1,11 +1,14 @@
 """The on-disk training data: shards of token sequences plus a manifest, and their reader.
 
 Layout of an output directory (written by `dflax.train.make_data`):
-  manifest.json          target, generation config, per split: shards, counts, whether complete
-  {split}-{i:05d}.npz    one shard: N sequences, each prompt ids (as the target saw them) + response ids
+  manifest.json          target (with a fingerprint of its weights and chat template), generation
+                         config, per split: shards, counts, whether complete
+  {split}-{i:05d}.npz    one compressed shard: N sequences, each prompt ids (as the target saw them) +
+                         response ids
 
 Shard arrays (N sequences, L = total tokens of the shard):
-  tokens      int32 [L]     all sequences concatenated
+  tokens      uint16 [L]    all sequences concatenated (int32 when an id does not fit 16 bits); read back
+                            as int32
   offsets     int64 [N+1]   sequence i is tokens[offsets[i]:offsets[i+1]]
   prompt_lens int32 [N]     the response of sequence i starts at position prompt_lens[i]
   keys        str   [N]     the prompt ids (JSON), which make a shard's contents checkable on resume
@@ -22,6 +25,7 @@ import numpy as np
 
 MANIFEST = "manifest.json"
 TMP_SUFFIX = ".tmp"
+_UINT16_MAX = np.iinfo(np.uint16).max
 
 
 def write_atomically(path: Path, write) -> None:
@@ -48,19 +52,24 @@ def write_shard(path: Path, sequences: Sequence[tuple[list[int], int]], keys: Se
       keys: the prompt id (JSON) of each sequence.
     """
     lengths = [len(ids) for ids, _ in sequences]
+    tokens = np.asarray([t for ids, _ in sequences for t in ids], np.int64)
+    compact = np.uint16 if tokens.size == 0 or 0 <= tokens.min() <= tokens.max() <= _UINT16_MAX else np.int32
     arrays = {
-        "tokens": np.asarray([t for ids, _ in sequences for t in ids], np.int32),
+        "tokens": tokens.astype(compact),
         "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         "prompt_lens": np.asarray([p for _, p in sequences], np.int32),
         "keys": np.asarray(list(keys), np.str_),
     }
-    write_atomically(path, lambda f: np.savez(f, **arrays))
+    write_atomically(path, lambda f: np.savez_compressed(f, **arrays))
 
 
 def read_shard(path: str | Path) -> dict[str, np.ndarray]:
-    """The arrays of one shard (see the module docstring)."""
+    """The arrays of one shard (see the module docstring), with the tokens as int32."""
     with np.load(path) as data:
-        return {name: data[name] for name in data.files}
+        arrays = {name: data[name] for name in data.files}
+    if "tokens" in arrays:
+        arrays["tokens"] = arrays["tokens"].astype(np.int32)
+    return arrays
 
 
 def shard_sequences(shard: dict[str, np.ndarray]) -> list[tuple[np.ndarray, int]]:

@@ -1,22 +1,27 @@
 """Training data for drafters: prompts answered by the target itself, written in resumable shards.
 
 A drafter learns to predict the target, so its training responses are the target's own (DFlash trains on
-regenerated responses). Prompts are shuffled with the config's seed, prompts longer than
-`max_prompt_tokens` are skipped, and the kept ones are cut into shards of `shard_size`. Each prompt's
-sampling seed comes from the config seed and its id, so a shard holds the same sequences however the run
-was batched, interrupted or resumed. A shard is written to a temp file and renamed, and counts as done on
-a rerun only when it holds exactly the prompts planned for it.
+regenerated responses). Prompts come from the recipe's sources (ShareGPT first turns as chat prompts,
+documented standard-library functions as code completions). They are shuffled with the config's seed,
+prompts longer than `max_prompt_tokens` are skipped, and the kept ones are cut into shards of
+`shard_size`. Each prompt's sampling seed comes from the config seed and its id, so a shard holds the same
+sequences however the run was batched, interrupted or resumed. A shard is written to a temp file and
+renamed, and counts as done on a rerun only when it holds exactly the prompts planned for it. The manifest
+records a fingerprint of the target's weights and chat template, so data made by another target is refused
+rather than mixed in.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -25,6 +30,7 @@ from dflax.checkpoints.registry import DEFAULT_TARGET
 from dflax.generation import encode_prompt, generate
 from dflax.prompts import PromptRecord, result_key, row_seed
 from dflax.target import Target, load_target
+from dflax.train.code_prompts import load_stdlib_prompts, stdlib_version
 from dflax.train.dataset import (
     MANIFEST,
     TMP_SUFFIX,
@@ -35,6 +41,8 @@ from dflax.train.dataset import (
 )
 from dflax.train.recipe import read_recipe
 from dflax.train.sharegpt import SPLITS, load_sharegpt
+
+PROMPT_SOURCES = ("sharegpt", "stdlib")
 
 # Settings that do not change the generated sequences, so a rerun may change them freely.
 _RUN_ONLY = ("batch_size",)
@@ -53,6 +61,7 @@ class DataConfig:
       shard_size: sequences per shard file (the unit of resume).
       batch_size: prompts decoded together (does not change the output).
       seed: shuffles the prompts and seeds each prompt's sampling.
+      sources: prompt sets, from "sharegpt" (chat) and "stdlib" (code completion), shuffled together.
     """
 
     target: str = DEFAULT_TARGET
@@ -65,8 +74,15 @@ class DataConfig:
     shard_size: int = 256
     batch_size: int = 8
     seed: int = 0
+    sources: tuple[str, ...] = ("sharegpt",)
 
     def __post_init__(self):
+        object.__setattr__(self, "sources", tuple(self.sources))
+        unknown = [s for s in self.sources if s not in PROMPT_SOURCES]
+        if unknown or not self.sources:
+            raise ValueError(
+                f"sources must be a non-empty list of {', '.join(PROMPT_SOURCES)}; got {unknown}"
+            )
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction}")
         for name in ("max_prompt_tokens", "max_new_tokens", "shard_size", "batch_size"):
@@ -85,8 +101,38 @@ class DataConfig:
         return read_recipe(cls, path)
 
     def generation_settings(self) -> dict:
-        """The settings that determine the sequences (a data directory is made under one of these)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _RUN_ONLY}
+        """The settings that determine the sequences (a data directory is made under one of these), as
+        JSON values."""
+        settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in _RUN_ONLY}
+        if "stdlib" in self.sources:
+            settings["stdlib_version"] = stdlib_version()  # the stdlib's functions fix the prompt set
+        return json.loads(json.dumps(settings))
+
+
+def load_prompts(config: DataConfig, split: str) -> list[PromptRecord]:
+    """The prompts of a split from every source of the recipe, source after source."""
+    prompts: list[PromptRecord] = []
+    for source in config.sources:
+        if source == "sharegpt":
+            prompts += load_sharegpt(config.validation_fraction).split(split)
+        else:
+            prompts += load_stdlib_prompts(config.validation_fraction)[split]
+    return prompts
+
+
+def target_fingerprint(target: Target) -> dict[str, str]:
+    """Short sha256 digests of a target's weights (every parameter's path, dtype, shape and bytes) and of
+    its chat template: what the generated sequences depend on besides the recipe."""
+    weights = hashlib.sha256()
+    for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(target.params)[0], key=lambda x: str(x[0])):
+        array = np.asarray(leaf)
+        weights.update(f"{jax.tree_util.keystr(path)}:{array.dtype}:{array.shape}".encode())
+        weights.update(array.tobytes())
+    template = target.tokenizer.chat_template or ""
+    return {
+        "weights_sha256": weights.hexdigest()[:16],
+        "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest()[:16],
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +177,11 @@ def _finished_shard(path: Path, keys: list[str]) -> dict[str, np.ndarray] | None
     return shard if "keys" in shard and shard["keys"].tolist() == keys else None
 
 
-def _check_compatible(manifest: dict | None, config: DataConfig, out_dir: Path) -> None:
+def _check_compatible(manifest: dict | None, config: DataConfig, fingerprint: dict, out_dir: Path) -> None:
     if manifest is None:
         return
-    old = manifest["generation"]
-    new = config.generation_settings()
+    old = {**manifest["generation"], **manifest.get("fingerprint", {})}
+    new = {**config.generation_settings(), **fingerprint}
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if changed:
         raise ValueError(
@@ -181,7 +227,7 @@ def make_data(
       limit: answer only the first N planned prompts.
       batch_size: overrides config.batch_size (output does not depend on it).
       target: the loaded config.target (loaded here when None).
-      prompts: the split's prompts (default: ShareGPT first turns of `split`).
+      prompts: the split's prompts (default: the recipe's sources' prompts of `split`).
       console: where to show progress (None = quiet).
 
     Returns:
@@ -189,7 +235,7 @@ def make_data(
 
     Raises:
       ValueError: for a bad split or limit, settings that do not fit the target's context, or an out_dir
-        made with other generation settings.
+        made with other generation settings or another target.
     """
     if split not in SPLITS:
         raise ValueError(f"split {split!r} unknown; choose one of {', '.join(SPLITS)}")
@@ -198,8 +244,9 @@ def make_data(
     config = dataclasses.replace(config, batch_size=batch_size or config.batch_size)
     out_dir = Path(out_dir)
     manifest = read_manifest(out_dir)
-    _check_compatible(manifest, config, out_dir)
     target = target or load_target(config.target)
+    fingerprint = target_fingerprint(target)
+    _check_compatible(manifest, config, fingerprint, out_dir)
     context = target.config.max_position_embeddings
     if config.max_prompt_tokens + config.max_new_tokens > context:
         raise ValueError(
@@ -207,14 +254,15 @@ def make_data(
             f"exceeds the target's {context}-token context; lower one of them"
         )
     if prompts is None:
-        prompts = load_sharegpt(config.validation_fraction).split(split)
+        prompts = load_prompts(config, split)
     planned, too_long = plan_prompts(target, prompts, config, limit)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(f"*{TMP_SUFFIX}"):
         stale.unlink()  # left by an interrupted run; never a finished file
     manifest = manifest or {"target": target.name, "generation": config.generation_settings(), "splits": {}}
-    manifest["config"] = dataclasses.asdict(config)
+    manifest["fingerprint"] = fingerprint
+    manifest["config"] = json.loads(json.dumps(dataclasses.asdict(config)))
     entry = {"limit": limit, "planned": len(planned), "too_long": too_long, "shards": [], "complete": False}
     manifest["splits"][split] = entry
 

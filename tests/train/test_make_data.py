@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -14,11 +16,13 @@ from dflax.cli import app
 from dflax.generation import encode_prompt
 from dflax.prompts import PromptRecord, mtbench_prompts
 from dflax.train import make_data as make_data_module
-from dflax.train.dataset import load_sequences, read_manifest
-from dflax.train.make_data import DataConfig, make_data, row_seed
+from dflax.train.code_prompts import function_prompts, load_stdlib_prompts
+from dflax.train.dataset import load_sequences, read_manifest, read_shard, write_shard
+from dflax.train.make_data import DataConfig, make_data, row_seed, target_fingerprint
 from dflax.train.sharegpt import benchmark_texts, build_prompts, iter_records, normalize, split_of
 
 RECIPE = Path(__file__).parents[2] / "configs/data/smollm2-sharegpt.json"
+MIXED_RECIPE = Path(__file__).parents[2] / "configs/data/smollm2-135m.json"
 
 
 def conversation(rid, *turns):
@@ -70,6 +74,59 @@ def test_split_is_deterministic_disjoint_and_near_the_fraction():
     assert 150 <= len(valid) <= 250, len(valid)
     assert all(split_of(normalize(f"question number {i}"), 0.1) == "validation" for i in map(_index, valid))
     assert split_of("question  number 3\n", 0.1) == split_of("question number 3", 0.1)
+
+
+MODULE_SOURCE = '''
+import os
+
+
+def documented(a, b=1):
+    """Adds two numbers and returns their sum."""
+    return a + b
+
+
+def undocumented(x):
+    return x
+
+
+class Box:
+    @property
+    def size(self):
+        """The number of items held in the box."""
+        return 3
+
+    def short(self):
+        """Too short."""
+'''
+
+
+def test_stdlib_prompts_are_documented_functions_cut_after_the_docstring(tmp_path):
+    prompts = dict(function_prompts(tmp_path / "m.py", MODULE_SOURCE))
+    assert prompts == {
+        "documented": 'def documented(a, b=1):\n    """Adds two numbers and returns their sum."""\n',
+        "Box.size": 'def size(self):\n    """The number of items held in the box."""\n',
+    }
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(MODULE_SOURCE)
+    (tmp_path / "pkg" / "copy.py").write_text(MODULE_SOURCE)  # the same functions again: deduplicated
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "mod.py").write_text(MODULE_SOURCE.replace("two", "three"))  # tests are skipped
+    splits = load_stdlib_prompts(0.0, root=tmp_path)
+    assert [r.id for r in splits["train"]] == ["stdlib:pkg/copy.py:documented", "stdlib:pkg/copy.py:Box.size"]
+    assert splits["validation"] == []
+
+
+def test_shards_are_compressed_uint16_and_read_back_as_int32(tmp_path):
+    sequences = [(list(range(300)) * 4, 10), ([7, 8, 9], 1)]
+    write_shard(tmp_path / "a.npz", sequences, ["0", "1"])
+    with np.load(tmp_path / "a.npz") as raw:
+        assert raw["tokens"].dtype == np.uint16
+    assert (tmp_path / "a.npz").stat().st_size < 1200 * 2  # compressed below the raw uint16 bytes
+    shard = read_shard(tmp_path / "a.npz")
+    assert shard["tokens"].dtype == np.int32 and shard["tokens"].tolist() == sequences[0][0] + [7, 8, 9]
+    write_shard(tmp_path / "b.npz", [([70_000, 1], 1)], ["0"])  # an id beyond 16 bits keeps int32
+    with np.load(tmp_path / "b.npz") as raw:
+        assert raw["tokens"].dtype == np.int32 and raw["tokens"].tolist() == [70_000, 1]
 
 
 def _index(rid: str) -> int:
@@ -176,10 +233,16 @@ def test_limit_then_full_keeps_the_full_shards(tmp_path, tiny_target):
     assert [(a.tolist(), p) for a, p in limited] == [(a.tolist(), p) for a, p in full]
 
 
-def test_other_settings_refuse_to_mix(tmp_path, tiny_target):
+def test_other_settings_or_target_refuse_to_mix(tmp_path, tiny_target):
     run(tiny_target, tmp_path, limit=2)
+    fingerprint = read_manifest(tmp_path)["fingerprint"]
+    assert fingerprint == target_fingerprint(tiny_target) and len(fingerprint["weights_sha256"]) == 16
     with pytest.raises(ValueError, match="max_new_tokens: 6"):
         run(tiny_target, tmp_path, config=tiny_config(tiny_target, max_new_tokens=5))
+    params = jax.tree_util.tree_map(lambda x: x * 1.001, tiny_target.params)
+    other = dataclasses.replace(tiny_target, params=params)  # the same model with other weights
+    with pytest.raises(ValueError, match="weights_sha256"):
+        run(other, tmp_path)
     with pytest.raises(ValueError, match="exceeds the target's 512-token context"):
         run(tiny_target, tmp_path / "new", config=tiny_config(tiny_target, max_prompt_tokens=510))
 
@@ -194,6 +257,11 @@ def test_recipe_file_and_its_validation(tmp_path):
         DataConfig.from_json(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="top_p must be in"):
         DataConfig(top_p=0.0)
+    mixed = DataConfig.from_json(MIXED_RECIPE)
+    assert mixed.sources == ("sharegpt", "stdlib") and mixed.temperature == 0.0
+    assert mixed.generation_settings()["sources"] == ["sharegpt", "stdlib"]  # as the manifest stores it
+    with pytest.raises(ValueError, match="sources must be"):
+        DataConfig(sources=["sharegpt", "wiki"])
 
 
 def test_cli_make_data_on_sharegpt(tmp_path, tiny_target):
