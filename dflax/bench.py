@@ -13,21 +13,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from dflax import projection
+from dflax.cost_curve import measure_cost_curve
 from dflax.decoding.sampling import SamplingParams
 from dflax.generation import encode_prompt, fit_to_context, generate_ids
 from dflax.prompts import load_prompts
-from dflax.roofline import measure_roofline, median_time, step_floor_s
+from dflax.roofline import measure_roofline, step_floor_s
 from dflax.target import Target, load_target
 
 BENCH_METHODS = ("ar", "dflash", "hf")
-COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32)
+AUTO = "auto"  # a block size chosen by the cost model (dflax.decoding.block_size)
 
 
 def _batches(items: list, size: int) -> list[list]:
@@ -70,9 +71,26 @@ def _run_dflax(
                 "loop_steps": max(r.stats["steps"] for r in results),  # decode-loop iterations
                 "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
                 "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
+                "block_size": drafter.proposer.block_size if drafter else None,
             }
         )
         progress(len(idx))
+    return tokens, per_batch
+
+
+def _run_auto(
+    target: Target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, drafter, context
+):
+    """DFlash at the block size the cost model picks for this batch size, or plain decoding when none pays."""
+    from dflax.cost_curve import auto_block_size
+
+    chosen, choice = auto_block_size(target, drafter, min(batch_size, len(prompt_ids)), context)
+    tokens, per_batch = _run_dflax(
+        target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, drafter=chosen
+    )
+    for b in per_batch:
+        b["block_size"] = choice.block_size
+        b["auto_predicted"] = {k: {"tau": t, "speedup": x} for k, (t, x) in choice.predicted.items()}
     return tokens, per_batch
 
 
@@ -151,7 +169,35 @@ def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> d
         "accept_hist": np.sum([b["accept_hist"] for b in per_batch], axis=0).tolist()
         if "accept_hist" in per_batch[0]
         else None,
+        **{k: per_batch[0][k] for k in ("block_size", "auto_predicted") if k in per_batch[0]},
     }
+
+
+def _weights_read(params) -> int:
+    """Parameters one forward reads: every leaf, less an embedding that is only gathered (untied head)."""
+    sizes = {
+        jax.tree_util.keystr(p): leaf.size for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    if any("lm_head" in name for name in sizes):
+        return sum(v for name, v in sizes.items() if "embed_tokens" not in name)
+    return sum(sizes.values())
+
+
+def _add_projection(results: list[dict], target: Target, drafter, n_prompts: int) -> None:
+    """Adds each speculative result's projected speedup on accelerators (see dflax.projection)."""
+    vocab = drafter.proposer.draft_vocab
+    head_rows = len(vocab) if vocab is not None else target.config.vocab_size
+    drafter_params = _weights_read(drafter.params) + head_rows * target.config.hidden_size
+    target_params = _weights_read(target.params)
+    for r in results:
+        if r.get("block_size"):
+            rows = min(r["batch_size"], n_prompts)
+            r["projected_speedup"] = {
+                key: projection.projected_speedup(
+                    chip, target_params, drafter_params, r["tau"], r["block_size"], rows
+                )
+                for key, chip in projection.ACCELERATORS.items()
+            }
 
 
 def run_bench(
@@ -165,7 +211,7 @@ def run_bench(
     batch_size: int | list[int],
     seed: int,
     drafter: str | None = None,
-    block_sizes: list[int] | None = None,
+    block_sizes: list[int | str] | None = None,
     draft_sampling: str = "greedy",
     cost_curve: bool = False,
     console=None,
@@ -184,7 +230,9 @@ def run_bench(
         batch_size; speedups and lossless_match compare with ar at the same batch size).
       seed: sampling seed.
       drafter: drafter path, "untrained", or None for the drafter shipped for the target.
-      block_sizes: DFlash block sizes to run (default: the drafter's trained one).
+      block_sizes: DFlash block sizes to run; "auto" picks one per batch size from the cost model, or
+        plain decoding when none pays (its result's block_size is None). Default: "auto" for a drafter
+        with measured acceptance (the shipped one), else the trained block size.
       draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       console: optional rich console for progress.
@@ -209,6 +257,7 @@ def run_bench(
         for r in records
     ]
     runners, spec, sizes = {}, None, None
+    context = int(np.median([len(p) for p in prompt_ids])) + max_new_tokens // 2
     for method in methods:
         if method != "dflash":
             runners[method] = _run_hf if method == "hf" else _run_dflax
@@ -216,11 +265,13 @@ def run_bench(
         from dflax.drafters import SHIPPED, DraftSampling, load_drafter
 
         spec = load_drafter(drafter or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
-        sizes = block_sizes or [spec.proposer.block_size]
+        sizes = block_sizes or [AUTO if spec.accept else spec.proposer.block_size]
         for b in sizes:
-            name = "dflash" if len(sizes) == 1 else f"dflash-b{b}"
-            runners[name] = functools.partial(_run_dflax, drafter=spec.with_block_size(b))
-        spec = spec.with_block_size(sizes[-1])
+            name = "dflash" if len(sizes) == 1 else ("dflash-auto" if b == AUTO else f"dflash-b{b}")
+            if b == AUTO:
+                runners[name] = functools.partial(_run_auto, drafter=spec, context=context)
+            else:
+                runners[name] = functools.partial(_run_dflax, drafter=spec.with_block_size(b))
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     roofline = measure_roofline(loaded.params)
     outputs, results = {}, []
@@ -253,6 +304,8 @@ def run_bench(
         if temperature == 0:
             pairs = zip(outputs["ar", r["batch_size"]], outputs[r["method"], r["batch_size"]])
             r["lossless_match"] = float(np.mean([a == b for a, b in pairs]))
+    if spec is not None:
+        _add_projection(results, loaded, spec, len(prompt_ids))
     report = {
         "target": target,
         "prompts": prompts,
@@ -263,83 +316,11 @@ def run_bench(
         "drafter": spec.name if spec else None,
         "block_sizes": sizes,
         "roofline": roofline,
+        "projection": projection.DESCRIPTION if spec is not None else None,
         "results": results,
     }
     if cost_curve:
-        report["cost_curve"] = measure_cost_curve(
+        report["cost_curve"] = measure_cost_curve(  # the drafter at its trained block size
             loaded, spec, context=int(np.median([len(p) for p in prompt_ids]))
         )
     return report
-
-
-def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: int = 15) -> dict[str, Any]:
-    """Median time of one target forward over n new tokens after `context` cached ones, n = 1..32.
-
-    This curve bounds every speedup here: speedup <= tau * t(1) / (t(verify of the block) + t(draft)).
-    With a drafter, also the median time of one draft forward (its block size).
-    """
-    import jax.numpy as jnp
-
-    from dflax.decoding.cache import KVCache
-    from dflax.models.transformer import Transformer
-
-    module = target.module
-    slots = context + max(COST_CURVE_SIZES) + 64
-
-    def empty_cache(num_slots):
-        cache = KVCache.init(target.config, 1, num_slots, target.cache_dtype)
-        return cache.replace(lengths=jnp.asarray([context], jnp.int32))
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def verify(params, cache, tokens):  # as in the decode loop: the donated cache is written in place
-        n = tokens.shape[1]
-        positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
-        mask = jnp.tril(jnp.ones((1, n, n), jnp.bool_))
-        hidden, cache, _ = module.apply(params, tokens, positions, cache, mask)
-        return module.apply(params, hidden, method=Transformer.logits), cache
-
-    def verify_time(n, num_slots):
-        tokens, cache = jnp.full((1, n), 5, jnp.int32), empty_cache(num_slots)
-        times = []
-        for _ in range(reps + 1):  # the first call compiles
-            t0 = time.perf_counter()
-            logits, cache = verify(target.params, cache, tokens)  # lengths stay: the same context
-            jax.block_until_ready(logits)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
-
-    verify_s = {n: verify_time(n, slots) for n in COST_CURVE_SIZES}
-    out = {
-        "context": context,
-        "verify_s": verify_s,
-        "verify_relative": {n: t / verify_s[1] for n, t in verify_s.items()},
-        # The same 1-token step with 4x the (empty) slots: its cost should follow the context, not S.
-        "slots_s": {slots: verify_s[1], 4 * slots: verify_time(1, 4 * slots)},
-    }
-    cache = empty_cache(slots)
-    if drafter is not None:
-        from dflax.decoding.decode import DecodeState
-
-        proposer = drafter.proposer
-        dstate = proposer.init_state(1, slots, target.dtype).replace(
-            lengths=jnp.asarray([context], jnp.int32)
-        )
-        state = DecodeState(
-            cache=cache,
-            last_token=jnp.asarray([5], jnp.int32),
-            tokens=None,
-            num_generated=None,
-            max_new=None,
-            done=None,
-            row_keys=None,
-            eos_ids=None,
-            steps=None,
-            accept_hist=None,
-            drafter_state=dstate,
-        )
-        keys = jax.vmap(jax.random.key)(jnp.zeros((1,), jnp.uint32))
-        draft = jax.jit(lambda p, tp, s, k: proposer.propose(p, tp, s, k)[0])
-        out["draft_s"] = median_time(draft, drafter.params, target.params, state, keys, reps=reps)
-        out["draft_block_size"] = proposer.block_size
-        out["draft_relative"] = out["draft_s"] / verify_s[1]
-    return out

@@ -47,6 +47,39 @@ def _load_drafter(method: str, drafter: str | None, loaded, block_size: int | No
         _fail(str(e))
 
 
+def _block_size_value(text: str) -> int | str:
+    """A --block-size value: an integer >= 2 or "auto"; anything else is one clear error."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        _fail(
+            f"--block-size {text!r}: give auto or an integer >= 2 (the anchor plus drafts), e.g. 16 or 8,16"
+        )
+    return value
+
+
+def _auto_block_size(loaded, spec_drafter, records, batch_size: int, max_new_tokens: int):
+    """The drafter at the cost model's block size for this run, or None (plain decoding); says which."""
+    from dflax.cost_curve import auto_block_size
+    from dflax.generation import encode_prompt
+
+    lengths = sorted(len(encode_prompt(loaded, r.prompt)) for r in records) or [1]
+    context = lengths[len(lengths) // 2] + max_new_tokens // 2  # the median prompt, half-way through
+    try:
+        with console.status("block size auto: timing draft and verify forwards (once per machine) ..."):
+            chosen, choice = auto_block_size(
+                loaded, spec_drafter, min(batch_size, max(len(records), 1)), context
+            )
+    except ValueError as e:
+        _fail(str(e))
+    console.print(choice.describe())
+    return chosen
+
+
 def _read_recipe(cls, path: Path, label: str, **overrides):
     """A recipe dataclass from its JSON file (with field overrides), or one clear error naming `label`."""
     import dataclasses
@@ -95,8 +128,10 @@ def generate(
         "target unless --drafter is given)",
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
-    block_size: int = typer.Option(
-        None, help="DFlash block size B (anchor + B-1 drafts); default: trained B"
+    block_size: str = typer.Option(
+        None,
+        help="DFlash block size B (anchor + B-1 drafts) or auto (the cost model's pick, plain decoding when "
+        "no B pays); default: auto for a drafter with measured acceptance (the shipped one), else trained B",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     chat: bool = typer.Option(False, "--chat", help="wrap argument prompts as a user chat message"),
@@ -138,8 +173,13 @@ def generate(
     if done:
         console.print(f"{out}: {len(records) - len(todo)} of {len(records)} prompts already done, resuming")
 
+    fixed_block = _block_size_value(block_size) if block_size else None
     loaded = _load(target, dtype)
-    spec_drafter = _load_drafter(method, drafter, loaded, block_size, draft_sampling)
+    spec_drafter = _load_drafter(
+        method, drafter, loaded, fixed_block if fixed_block != "auto" else None, draft_sampling
+    )
+    if spec_drafter is not None and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
+        spec_drafter = _auto_block_size(loaded, spec_drafter, todo, batch_size, max_new_tokens)
     sink = None
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +256,9 @@ def bench(
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
     block_size: str = typer.Option(
-        None, help="DFlash block size B, or several (8,16: one dflash run each); default: the trained B"
+        None,
+        help="DFlash block size B, auto, or several (8,16,auto: one dflash run each); default: auto for a "
+        "drafter with measured acceptance (the shipped one), else the trained B",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     cost_curve: bool = typer.Option(
@@ -244,12 +286,7 @@ def bench(
         _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
     if any(b < 1 for b in batch_sizes):
         _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
-    block_sizes = None
-    if block_size:
-        try:
-            block_sizes = [int(b) for b in block_size.split(",")]
-        except ValueError:
-            _fail(f"--block-size {block_size!r}: give integers, e.g. 16 or 8,16")
+    block_sizes = [_block_size_value(b.strip()) for b in block_size.split(",")] if block_size else None
     try:
         report = run_bench(
             prompts=prompts,

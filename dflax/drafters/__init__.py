@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from dflax.drafters.checkpoint import load_drafter_checkpoint, save_drafter
@@ -29,12 +30,15 @@ class Drafter:
       config: its architecture.
       params: {"params": ...}.
       proposer: the static proposer (block size and draft sampling included).
+      accept: measured per-position conditional acceptance acc_1, acc_2, ... (validation at the end of
+        its training, from TRAINING.json), or None when unknown; `--block-size auto` predicts from it.
     """
 
     name: str
     config: DFlashConfig
     params: dict
     proposer: DFlashProposer
+    accept: tuple[float, ...] | None = None
 
     def with_block_size(self, block_size: int) -> Drafter:
         """The same drafter drafting blocks of another size (B - 1 drafts per step)."""
@@ -48,6 +52,16 @@ class Drafter:
         """Writes the drafter in the official DFlash layout (see dflax.drafters.checkpoint)."""
         target_layers = self.proposer.target.config.num_layers
         save_drafter(path, self.config, self.params, target_layers, dtype, self.proposer.draft_vocab)
+
+
+def measured_acceptance(path: Path) -> tuple[float, ...] | None:
+    """The per-position acceptance that a drafter directory's TRAINING.json recorded at its final
+    validation, or None when it records none."""
+    record = path / "TRAINING.json"
+    if not record.is_file():
+        return None
+    accept = json.loads(record.read_text(encoding="utf-8")).get("final_validation", {}).get("val_accept")
+    return tuple(float(a) for a in accept) if accept else None
 
 
 def load_drafter(
@@ -81,6 +95,7 @@ def load_drafter(
                 f"{', '.join(SHIPPED_DRAFTERS)}); give a drafter directory, e.g. one made by `dflax train`"
             )
         name_or_path = shipped
+    accept = None
     if str(name_or_path) == UNTRAINED:
         config = DFlashConfig.for_target(target.config)
         params, draft_vocab = None, None
@@ -92,6 +107,7 @@ def load_drafter(
                 f"*.safetensors) or {UNTRAINED!r}"
             )
         config, params, draft_vocab = load_drafter_checkpoint(path, dtype)
+        accept = measured_acceptance(path)
     config.check_target(target.config)
     module = DFlashDrafter(config, dtype, target.module.attention_backend)
     if params is None:
@@ -99,7 +115,7 @@ def load_drafter(
     proposer = DFlashProposer(
         module, target.module, block_size or config.block_size, draft_sampling, draft_vocab
     )
-    drafter = Drafter(str(name_or_path), config, params, proposer)
+    drafter = Drafter(str(name_or_path), config, params, proposer, accept)
     return drafter.with_block_size(proposer.block_size)
 
 

@@ -1,0 +1,201 @@
+"""What a decode step costs on this machine: target forwards over n new tokens and drafter forwards.
+
+`measure_cost_curve` is bench's `--cost-curve` report. `auto_block_size` feeds the same timings, measured
+at the run's batch size and context and cached on disk per machine, to the cost model of
+`dflax.decoding.block_size`, so `--block-size auto` picks the block size (or plain decoding) that is
+predicted fastest for this target, drafter and machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflax.checkpoints.model_files import cache_dir
+from dflax.decoding.block_size import BlockSizeChoice, choose_block_size
+from dflax.decoding.cache import KVCache
+from dflax.models.transformer import Transformer
+from dflax.roofline import median_time
+from dflax.target import Target
+
+COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32)
+AUTO_BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16)
+_SLOT_MARGIN = 64
+
+
+def _cache_at(target: Target, rows: int, slots: int, context: int) -> KVCache:
+    cache = KVCache.init(target.config, rows, slots, target.cache_dtype)
+    return cache.replace(lengths=jnp.full((rows,), context, jnp.int32))
+
+
+def verify_times(
+    target: Target, sizes: Sequence[int], rows: int, context: int, slots: int, reps: int
+) -> dict[int, float]:
+    """Median seconds of one target forward (logits included) over n new tokens per row after `context`
+    cached ones, for each n in `sizes`, written into a donated cache as the decode loop does."""
+    module = target.module
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def verify(params, cache, tokens):  # [rows, n] tokens; the donated cache is written in place
+        n = tokens.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
+        mask = jnp.tril(jnp.ones((rows, n, n), jnp.bool_))
+        hidden, cache, _ = module.apply(params, tokens, positions, cache, mask)
+        return module.apply(params, hidden, method=Transformer.logits), cache
+
+    def one(n: int) -> float:
+        tokens, cache = jnp.full((rows, n), 5, jnp.int32), _cache_at(target, rows, slots, context)
+        times = []
+        for _ in range(reps + 1):  # the first call compiles
+            t0 = time.perf_counter()
+            logits, cache = verify(target.params, cache, tokens)  # lengths stay: the same context
+            jax.block_until_ready(logits)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    return {n: one(n) for n in sizes}
+
+
+def draft_time(target: Target, drafter, rows: int, context: int, slots: int, reps: int) -> float:
+    """Median seconds of one drafter proposal (its block size) for `rows` rows after `context` tokens."""
+    from dflax.decoding.decode import DecodeState
+
+    proposer = drafter.proposer
+    dstate = proposer.init_state(rows, slots, target.dtype).replace(
+        lengths=jnp.full((rows,), context, jnp.int32)
+    )
+    state = DecodeState(
+        cache=_cache_at(target, rows, slots, context),
+        last_token=jnp.full((rows,), 5, jnp.int32),
+        tokens=None,
+        num_generated=None,
+        max_new=None,
+        done=None,
+        row_keys=None,
+        eos_ids=None,
+        steps=None,
+        accept_hist=None,
+        drafter_state=dstate,
+    )
+    keys = jax.vmap(jax.random.key)(jnp.zeros((rows,), jnp.uint32))
+    draft = jax.jit(lambda p, tp, s, k: proposer.propose(p, tp, s, k)[0])
+    return median_time(draft, drafter.params, target.params, state, keys, reps=reps)
+
+
+def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: int = 15) -> dict[str, Any]:
+    """Median time of one target forward over n new tokens after `context` cached ones, n = 1..32 (batch 1).
+
+    This curve bounds every speedup here: speedup <= tau * t(1) / (t(verify of the block) + t(draft)).
+    With a drafter, also the median time of one draft forward (its block size).
+    """
+    slots = context + max(COST_CURVE_SIZES) + _SLOT_MARGIN
+    verify_s = verify_times(target, COST_CURVE_SIZES, 1, context, slots, reps)
+    out = {
+        "context": context,
+        "verify_s": verify_s,
+        "verify_relative": {n: t / verify_s[1] for n, t in verify_s.items()},
+        # The same 1-token step with 4x the (empty) slots: its cost should follow the context, not S.
+        "slots_s": {
+            slots: verify_s[1],
+            4 * slots: verify_times(target, (1,), 1, context, 4 * slots, reps)[1],
+        },
+    }
+    if drafter is not None:
+        out["draft_s"] = draft_time(target, drafter, 1, context, slots, reps)
+        out["draft_block_size"] = drafter.proposer.block_size
+        out["draft_relative"] = out["draft_s"] / verify_s[1]
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model
+            )
+    except OSError:
+        pass
+    return {
+        "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()],
+        "cpu": model,
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+    }
+
+
+def step_costs(
+    target: Target, drafter, rows: int, context: int, candidates: Sequence[int], reps: int = 7
+) -> dict[str, dict[int, float]]:
+    """{"verify_s": {n: s}, "draft_s": {B: s}} for block sizes `candidates` at `rows` rows and about
+    `context` tokens, measured once per machine, target, drafter architecture and shape, then read from
+    dflax's cache directory."""
+    context = 1 << max(5, (context - 1).bit_length())  # a power of two: one measurement per octave
+    key = {
+        "machine": _machine(),
+        "target": [target.name, str(target.dtype), str(jnp.dtype(target.cache_dtype)), repr(target.config)],
+        "backend": target.module.attention_backend,
+        "drafter": repr(drafter.config),
+        "rows": rows,
+        "context": context,
+        "candidates": sorted(candidates),
+        "reps": reps,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = cache_dir() / "cost_curves" / f"{digest}.json"
+    if path.is_file():
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        return {name: {int(k): v for k, v in curve.items()} for name, curve in stored["costs"].items()}
+    slots = context + max(candidates) + _SLOT_MARGIN
+    sizes = sorted({1, *candidates})
+    costs = {
+        "verify_s": verify_times(target, sizes, rows, context, slots, reps),
+        "draft_s": {
+            b: draft_time(target, drafter.with_block_size(b), rows, context, slots, reps) for b in candidates
+        },
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "costs": costs}, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+    return costs
+
+
+def auto_block_size(target: Target, drafter, rows: int, context: int) -> tuple[Any, BlockSizeChoice]:
+    """The drafter at the block size the cost model predicts fastest, or None for plain decoding.
+
+    Args:
+      target: the loaded target.
+      drafter: a loaded `dflax.drafters.Drafter` whose per-position acceptance was measured
+        (`drafter.accept`, from its TRAINING.json).
+      rows: the batch size the run decodes at.
+      context: a typical prompt length plus half the new tokens.
+
+    Returns:
+      (the drafter at the chosen block size or None, the choice with its predictions).
+
+    Raises:
+      ValueError: when the drafter has no measured acceptance.
+    """
+    if not drafter.accept:
+        raise ValueError(
+            f"drafter {drafter.name!r} has no measured per-position acceptance (TRAINING.json), so "
+            "--block-size auto cannot predict its speed; give --block-size B"
+        )
+    trained = drafter.config.block_size
+    candidates = [b for b in AUTO_BLOCK_SIZES if b <= min(trained, len(drafter.accept) + 1)]
+    costs = step_costs(target, drafter, rows, context, candidates)
+    choice = choose_block_size(drafter.accept, costs["verify_s"], costs["draft_s"])
+    chosen = None if choice.block_size is None else drafter.with_block_size(choice.block_size)
+    return chosen, choice

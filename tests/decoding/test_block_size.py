@@ -1,0 +1,139 @@
+"""The block-size cost model: expected tau, the predicted speedup, the choice (or plain decoding), and
+`auto_block_size` on a tiny target with its timings measured once and then read from the cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import dflax
+from dflax import cost_curve, projection
+from dflax.cli import app
+from dflax.decoding.block_size import choose_block_size, expected_tau, interpolate
+from dflax.drafters import load_drafter, measured_acceptance
+
+# A verify forward over n tokens: flat up to 4 tokens, then growing (the CPU's shape).
+VERIFY_S = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.6, 16: 2.4}
+DRAFT_S = {2: 0.2, 4: 0.2, 8: 0.25, 16: 0.3}
+
+
+def test_expected_tau_is_one_plus_the_sum_of_cumulative_acceptance():
+    accept = [0.5, 0.5, 0.5]
+    assert expected_tau(accept, 2) == 1.5
+    assert expected_tau(accept, 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tau([1.0] * 15, 16) == 16.0 and expected_tau([0.0] * 15, 16) == 1.0
+    with pytest.raises(ValueError, match="needs acceptance for 4 positions, have 3"):
+        expected_tau(accept, 5)
+
+
+def test_interpolate_is_linear_between_measured_sizes():
+    assert interpolate(VERIFY_S, 4) == 1.1 and interpolate(VERIFY_S, 12) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="outside the measured 1..16"):
+        interpolate(VERIFY_S, 32)
+
+
+def test_choice_maximises_predicted_speedup():
+    accept = [0.97] * 15
+    choice = choose_block_size(accept, VERIFY_S, DRAFT_S)
+    for b, (_, speedup) in choice.predicted.items():  # the formula, written out
+        assert speedup == pytest.approx(expected_tau(accept, b) * 1.0 / (DRAFT_S[b] + VERIFY_S[b]))
+    assert choice.block_size == max(choice.predicted, key=lambda b: choice.predicted[b][1])
+    assert choice.block_size == 16 and "B=16" in choice.describe()
+    # A weak drafter: tokens per step rise slower than the step's cost, so a small block wins.
+    weak = choose_block_size([0.6, 0.4, 0.2] + [0.05] * 12, VERIFY_S, DRAFT_S)
+    assert weak.block_size == 4
+
+
+def test_plain_decoding_when_no_block_size_pays():
+    choice = choose_block_size([0.14, 0.11] + [0.0] * 13, VERIFY_S, DRAFT_S)  # the first shipped drafter
+    assert choice.block_size is None
+    assert all(speedup < 1.0 for _, speedup in choice.predicted.values())
+    assert "plain decoding" in choice.describe()
+    # Just above break-even is not enough: the model leaves out the step's bookkeeping.
+    assert choose_block_size([0.15], {1: 1.0, 2: 1.0}, {2: 0.1}).block_size is None  # 1.15 / 1.1 = 1.05x
+    assert choose_block_size([0.3], {1: 1.0, 2: 1.0}, {2: 0.1}).block_size == 2  # 1.3 / 1.1 = 1.18x
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    target = dflax.load_target(str(tiny_checkpoint("llama")[0]))
+    return target, load_drafter("untrained", target, block_size=4)
+
+
+def test_auto_block_size_measures_once_then_reads_the_cache(tiny, monkeypatch):
+    target, drafter = tiny
+    with pytest.raises(ValueError, match="no measured per-position acceptance"):
+        cost_curve.auto_block_size(target, drafter, rows=2, context=20)
+
+    perfect = dataclasses.replace(drafter, accept=(1.0,) * 15)  # every draft accepted: tau = B
+    chosen, choice = cost_curve.auto_block_size(target, perfect, rows=2, context=20)
+    assert set(choice.predicted) == {2, 3, 4, 6, 8, 12, 16}  # the candidates up to the trained B=16
+    assert chosen is not None and chosen.proposer.block_size == choice.block_size
+    for b, (tau, _) in choice.predicted.items():
+        assert tau == b
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(cost_curve, "verify_times", must_not_measure)
+    monkeypatch.setattr(cost_curve, "draft_time", must_not_measure)
+    useless = dataclasses.replace(drafter, accept=(0.0,) * 15)  # the same shapes, nothing accepted
+    chosen, choice = cost_curve.auto_block_size(target, useless, rows=2, context=20)
+    assert chosen is None and choice.block_size is None
+
+
+def test_acceptance_is_read_from_training_json(tmp_path):
+    assert measured_acceptance(tmp_path) is None
+    (tmp_path / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [0.5, 0.25]}}))
+    assert measured_acceptance(tmp_path) == (0.5, 0.25)
+    shipped = measured_acceptance(dflax.drafters.shipped_drafter_path("smollm2-135m"))
+    assert shipped is not None and len(shipped) == 15 and np.all(np.asarray(shipped) <= 1)
+
+
+@pytest.mark.parametrize("value", ["1", "x", "4,auto,0"])
+def test_cli_rejects_bad_block_sizes(value, tiny_checkpoint):
+    args = ["bench", "--target", str(tiny_checkpoint("llama")[0]), "--method", "dflash"]
+    result = CliRunner().invoke(app, [*args, "--block-size", value])
+    assert result.exit_code == 2
+    assert "give auto or an integer >= 2" in " ".join(result.output.split())
+
+
+def test_cli_auto_with_a_drafter_without_measured_acceptance(tiny_checkpoint):
+    args = ["generate", "--target", str(tiny_checkpoint("llama")[0]), "--method", "dflash"]
+    result = CliRunner().invoke(app, [*args, "--drafter", "untrained", "--block-size", "auto", "w5"])
+    assert result.exit_code == 2
+    output = " ".join(result.output.split())
+    assert "--block-size auto cannot predict its speed; give --block-size B" in output
+
+
+def test_projection_is_the_roofline_formula():
+    chip = projection.Accelerator("toy", memory_bytes_per_s=1e9, bf16_flop_per_s=1e12)
+    assert projection.forward_s(chip, 1000, 1) == 2000 / 1e9  # memory bound: 2 bytes per weight
+    assert projection.forward_s(chip, 1000, 10_000) == 2 * 1000 * 10_000 / 1e12  # compute bound
+    # Memory bound everywhere: tau 3 at B=4 with a drafter a tenth of the target -> 3 / 1.1.
+    assert projection.projected_speedup(chip, 10_000, 1_000, 3.0, 4, 1) == pytest.approx(3 / 1.1)
+
+
+def test_bench_auto_block_size_and_projection(tmp_path, tiny):
+    target, drafter = tiny
+    directory = tmp_path / "drafter"
+    drafter.save(directory)
+    (directory / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [0.0] * 15}}))
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{5 + i} w6"}) + "\n" for i in range(2)))
+    args = ["bench", "--target", target.name, "--prompts", str(prompts), "--method", "ar,dflash"]
+    args += ["--drafter", str(directory), "--block-size", "auto,4", "--max-new-tokens", "5"]
+    result = CliRunner().invoke(app, [*args, "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    by_method = {r["method"]: r for r in data["results"]}
+    assert set(by_method) == {"ar", "dflash-auto", "dflash-b4"}
+    auto = by_method["dflash-auto"]
+    assert auto["block_size"] is None and auto["lossless_match"] == 1.0  # nothing pays: plain decoding
+    assert set(auto["auto_predicted"]) == {"2", "3", "4", "6", "8", "12", "16"}
+    assert "projection" in data["projection"] and "projected_speedup" not in by_method["ar"]
+    assert set(by_method["dflash-b4"]["projected_speedup"]) == set(projection.ACCELERATORS)
