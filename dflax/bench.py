@@ -26,7 +26,7 @@ from dflax.prompts import load_prompts
 from dflax.roofline import measure_roofline, median_time, step_floor_s
 from dflax.target import Target, load_target
 
-BENCH_METHODS = ("ar", "dflash", "hf")
+BENCH_METHODS = ("ar", "dflash", "lookup", "hf")
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
@@ -166,6 +166,7 @@ def run_bench(
     seed: int,
     drafter: str | None = None,
     block_sizes: list[int] | None = None,
+    tree_budgets: list[int] | None = None,
     draft_sampling: str = "greedy",
     cost_curve: bool = False,
     console=None,
@@ -176,7 +177,9 @@ def run_bench(
       prompts: "humaneval", "mtbench" or a JSONL file.
       target: target name or path.
       methods: subset of BENCH_METHODS; "ar" is dflax plain decoding and the reference for speedups.
-        With several block sizes, "dflash" runs once per size, reported as "dflash-b{B}".
+        With several block sizes, "dflash" and "lookup" run once per size, reported as "dflash-b{B}" and
+        "lookup-b{B}"; with several tree budgets "dflash" runs once per budget too ("dflash-t{N}",
+        "dflash-b{B}-t{N}").
       limit: first N prompts.
       max_new_tokens: budget per prompt.
       temperature: 0 = greedy.
@@ -184,7 +187,8 @@ def run_bench(
         batch_size; speedups and lossless_match compare with ar at the same batch size).
       seed: sampling seed.
       drafter: drafter path, "untrained", or None for the drafter shipped for the target.
-      block_sizes: DFlash block sizes to run (default: the drafter's trained one).
+      block_sizes: block sizes to run (default: the DFlash drafter's trained one; lookup's default).
+      tree_budgets: DFlash tree budgets to run (0 = a chain, the default).
       draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       console: optional rich console for progress.
@@ -192,12 +196,15 @@ def run_bench(
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
       "results": [...]}, one result per method and batch size with tokens_per_s (decode only), prefill_s,
-      prefill_tokens_per_s, tau, step_s and step_vs_floor (one decode-loop iteration against this
-      machine's floor for that many rows, see dflax.roofline), and, when "ar" ran too, ar_tokens_per_s,
-      speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
+      prefill_tokens_per_s, tau, accept_hist (steps by tokens committed = accepted depth + 1),
+      block_size and tree_budget (None for ar and hf), step_s and step_vs_floor (one decode-loop
+      iteration against this machine's floor for that many rows, see dflax.roofline), and, when "ar"
+      ran too, ar_tokens_per_s, speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
     """
     from rich.progress import Progress
 
+    if tree_budgets and "dflash" not in methods:
+        raise ValueError("--tree-budget applies to --method dflash; add dflash to the methods")
     records, bad = load_prompts(prompts)
     if bad:
         raise ValueError(f"{prompts}: malformed lines: " + "; ".join(map(str, bad)))
@@ -208,18 +215,32 @@ def run_bench(
         fit_to_context(encode_prompt(loaded, r.prompt), max_new_tokens, context, False, str(r.id))
         for r in records
     ]
-    runners, spec, sizes = {}, None, None
+    runners, settings, spec, sizes = {}, {}, None, None
     for method in methods:
-        if method != "dflash":
+        if method in ("ar", "hf"):
             runners[method] = _run_hf if method == "hf" else _run_dflax
+            settings[method] = {"block_size": None, "tree_budget": None}
             continue
-        from dflax.drafters import SHIPPED, DraftSampling, load_drafter
+        from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
+        from dflax.drafters.lookup import LOOKUP_BLOCK_SIZE
 
+        if method == "lookup":
+            for b in block_sizes or [LOOKUP_BLOCK_SIZE]:
+                name = "lookup" if not block_sizes or len(block_sizes) == 1 else f"lookup-b{b}"
+                runners[name] = functools.partial(_run_dflax, drafter=prompt_lookup(b))
+                settings[name] = {"block_size": b, "tree_budget": 0}
+            continue
         spec = load_drafter(drafter or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
         sizes = block_sizes or [spec.proposer.block_size]
+        budgets = tree_budgets or [0]
         for b in sizes:
-            name = "dflash" if len(sizes) == 1 else f"dflash-b{b}"
-            runners[name] = functools.partial(_run_dflax, drafter=spec.with_block_size(b))
+            for n in budgets:
+                name = "dflash" + (f"-b{b}" if len(sizes) > 1 else "")
+                name += f"-t{n}" if len(budgets) > 1 else ""
+                runners[name] = functools.partial(
+                    _run_dflax, drafter=spec.with_block_size(b).with_tree_budget(n)
+                )
+                settings[name] = {"block_size": b, "tree_budget": n}
         spec = spec.with_block_size(sizes[-1])
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     roofline = measure_roofline(loaded.params)
@@ -238,7 +259,7 @@ def run_bench(
                     lambda k, task=task: progress.advance(task, k),
                 )
                 outputs[method, rows] = tokens
-                result = _summary(method, rows, per_batch)
+                result = {**_summary(method, rows, per_batch), **settings[method]}
                 if result["step_s"]:
                     result["step_vs_floor"] = result["step_s"] / step_floor_s(
                         roofline, min(rows, len(prompt_ids))
@@ -262,6 +283,7 @@ def run_bench(
         "temperature": temperature,
         "drafter": spec.name if spec else None,
         "block_sizes": sizes,
+        "tree_budgets": (tree_budgets or [0]) if sizes else None,
         "roofline": roofline,
         "results": results,
     }

@@ -24,6 +24,7 @@ from flax import struct
 from dflax.decoding.cache import write_rows
 
 NGRAM_SIZES = (3, 2, 1)
+LOOKUP_BLOCK_SIZE = 8  # the last token + 7 drafts (HF's prompt_lookup_num_tokens defaults to 10 drafts)
 
 
 @struct.dataclass
@@ -130,7 +131,7 @@ class LookupDrafter:
         return prompt_lookup(block_size)
 
 
-def prompt_lookup(block_size: int = 8) -> LookupDrafter:
+def prompt_lookup(block_size: int = LOOKUP_BLOCK_SIZE) -> LookupDrafter:
     """A prompt-lookup drafter: each step verifies the last token and block_size - 1 copied drafts.
 
     Raises:
