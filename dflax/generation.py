@@ -40,7 +40,8 @@ class GenerationResult:
     Attributes:
       text: the generated text (special tokens removed).
       tokens: generated token ids (EOS included when it was produced).
-      stats: prompt_tokens, new_tokens, steps (verify steps), tau, accept_hist, finish_reason,
+      stats: prompt_tokens, new_tokens, steps (verify steps), tau, accept_hist (steps by tokens committed:
+        index 1 + accepted drafts, the accepted depth + 1 with trees), finish_reason,
         prefill_s / decode_s (of the batch the prompt ran in), batch_size.
     """
 

@@ -2,12 +2,16 @@
 
 Plain autoregressive decoding is this loop with a drafter that proposes nothing: the verified block is
 just the last committed token, and the acceptance rule commits the one token sampled from the target.
-Speculative methods plug a `Proposer` into the same step.
+Speculative methods plug a `Proposer` into the same step. A proposer returns a chain (verified causally by
+the delta or ratio rule) or a `DraftTree` (verified under its ancestor mask by the tree delta rule, the
+accepted path's K/V then gathered into contiguous slots; see dflax.decoding.tree). Either way the step
+commits a chain of tokens, and the drafter observes the committed tokens with their target features.
 
 Randomness is per row: row r at output index i uses fold_in(row_key[r], i), so a prompt's output does
 not depend on which other prompts share its batch.
 
-Glossary: B batch, P prompt bucket, S cache slots, M max new tokens (+ block headroom), n draft length.
+Glossary: B batch, P prompt bucket, S cache slots, M max new tokens (+ block headroom), n draft length
+(chain) or node count (tree).
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ class DecodeState:
       row_keys: [B] PRNG keys, one per row.
       eos_ids: [E] int32 token ids that end a row.
       steps: [B] int32 verify steps taken while the row was active.
-      accept_hist: [B, n + 2] int32, histogram of tokens committed per step (index = count).
+      accept_hist: [B, n + 2] int32, histogram of tokens committed per step (index = count; with a
+        tree, count = the accepted path's depth + 1).
       drafter_state: the proposer's own state (None for plain decoding).
     """
 
