@@ -177,9 +177,8 @@ def run_bench(
       prompts: "humaneval", "mtbench" or a JSONL file.
       target: target name or path.
       methods: subset of BENCH_METHODS; "ar" is dflax plain decoding and the reference for speedups.
-        With several block sizes, "dflash" and "lookup" run once per size, reported as "dflash-b{B}" and
-        "lookup-b{B}"; with several tree budgets "dflash" runs once per budget too ("dflash-t{N}",
-        "dflash-b{B}-t{N}").
+        With several block sizes or tree budgets, "dflash" and "lookup" run once per size and budget,
+        reported as e.g. "dflash-b{B}", "lookup-t{N}", "dflash-b{B}-t{N}".
       limit: first N prompts.
       max_new_tokens: budget per prompt.
       temperature: 0 = greedy.
@@ -188,7 +187,7 @@ def run_bench(
       seed: sampling seed.
       drafter: drafter path, "untrained", or None for the drafter shipped for the target.
       block_sizes: block sizes to run (default: the DFlash drafter's trained one; lookup's default).
-      tree_budgets: DFlash tree budgets to run (0 = a chain, the default).
+      tree_budgets: tree budgets to run for dflash and lookup (0 = a chain, the default).
       draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       console: optional rich console for progress.
@@ -203,8 +202,8 @@ def run_bench(
     """
     from rich.progress import Progress
 
-    if tree_budgets and "dflash" not in methods:
-        raise ValueError("--tree-budget applies to --method dflash; add dflash to the methods")
+    if tree_budgets and not {"dflash", "lookup"} & set(methods):
+        raise ValueError("--tree-budget applies to --method dflash and lookup; add one of them")
     records, bad = load_prompts(prompts)
     if bad:
         raise ValueError(f"{prompts}: malformed lines: " + "; ".join(map(str, bad)))
@@ -225,23 +224,22 @@ def run_bench(
         from dflax.drafters.lookup import LOOKUP_BLOCK_SIZE
 
         if method == "lookup":
-            for b in block_sizes or [LOOKUP_BLOCK_SIZE]:
-                name = "lookup" if not block_sizes or len(block_sizes) == 1 else f"lookup-b{b}"
-                runners[name] = functools.partial(_run_dflax, drafter=prompt_lookup(b))
-                settings[name] = {"block_size": b, "tree_budget": 0}
-            continue
-        spec = load_drafter(drafter or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
-        sizes = block_sizes or [spec.proposer.block_size]
+            method_drafter = prompt_lookup()
+            method_sizes = block_sizes or [LOOKUP_BLOCK_SIZE]
+        else:
+            spec = load_drafter(drafter or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
+            method_drafter = spec
+            sizes = method_sizes = block_sizes or [spec.proposer.block_size]
+            spec = spec.with_block_size(sizes[-1])
         budgets = tree_budgets or [0]
-        for b in sizes:
+        for b in method_sizes:
             for n in budgets:
-                name = "dflash" + (f"-b{b}" if len(sizes) > 1 else "")
+                name = method + (f"-b{b}" if len(method_sizes) > 1 else "")
                 name += f"-t{n}" if len(budgets) > 1 else ""
                 runners[name] = functools.partial(
-                    _run_dflax, drafter=spec.with_block_size(b).with_tree_budget(n)
+                    _run_dflax, drafter=method_drafter.with_block_size(b).with_tree_budget(n)
                 )
                 settings[name] = {"block_size": b, "tree_budget": n}
-        spec = spec.with_block_size(sizes[-1])
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     roofline = measure_roofline(loaded.params)
     outputs, results = {}, []
@@ -283,7 +281,7 @@ def run_bench(
         "temperature": temperature,
         "drafter": spec.name if spec else None,
         "block_sizes": sizes,
-        "tree_budgets": (tree_budgets or [0]) if sizes else None,
+        "tree_budgets": tree_budgets or [0],
         "roofline": roofline,
         "results": results,
     }

@@ -42,8 +42,8 @@ def _load_drafter(
     tree_budget: int | None = None,
 ):
     """The drafter for --method dflash or lookup (None for ar), with one clear error for bad input."""
-    if tree_budget is not None and method != "dflash":
-        _fail(f"--tree-budget needs --method dflash (method {method} verifies a chain)")
+    if tree_budget is not None and method == "ar":
+        _fail("--tree-budget needs --method dflash or lookup (plain decoding verifies one token per step)")
     if method == "ar":
         return None
     from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
@@ -51,7 +51,7 @@ def _load_drafter(
 
     try:
         if method == "lookup":
-            return prompt_lookup(block_size or LOOKUP_BLOCK_SIZE)
+            return prompt_lookup(block_size or LOOKUP_BLOCK_SIZE, tree_budget or 0)
         loaded_drafter = load_drafter(
             drafter or SHIPPED, loaded, block_size=block_size, draft_sampling=DraftSampling(draft_sampling)
         )
@@ -113,7 +113,9 @@ def generate(
         None, help="block size B (anchor + B-1 drafts); default: the drafter's trained B (lookup: 8)"
     ),
     tree_budget: int = typer.Option(
-        None, help="dflash: verify a best-first tree of N nodes over the drafter's block (0 = a chain)"
+        None,
+        help="verify a tree of N nodes per step (dflash: best first over the drafter's block; lookup: "
+        "several occurrences' continuations); 0 = a chain",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     chat: bool = typer.Option(False, "--chat", help="wrap argument prompts as a user chat message"),
@@ -240,7 +242,7 @@ def bench(
         "(lookup: 8)",
     ),
     tree_budget: str = typer.Option(
-        None, help="dflash tree budget N, or several (0,16,32: one dflash run each; 0 = a chain)"
+        None, help="tree budget N, or several (0,16,32: one dflash / lookup run each; 0 = a chain)"
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     cost_curve: bool = typer.Option(

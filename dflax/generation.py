@@ -251,15 +251,16 @@ def generate(
       on_result: called with (prompt index, result) as soon as each prompt is done.
       drafter: from `dflax.load_drafter` (DFlash) or `dflax.prompt_lookup`; None decodes one token per
         target forward.
-      tree_budget: with a DFlash drafter, N > 0 verifies a best-first tree of N nodes over its block each
-        step and 0 its argmax chain; None keeps the drafter's own setting (a chain unless set).
+      tree_budget: N > 0 verifies a tree of N nodes each step (DFlash: best first over its block; prompt
+        lookup: the continuations of several occurrences) and 0 a chain; None keeps the drafter's own
+        setting (a chain unless set).
 
     Returns:
       One GenerationResult per prompt, in order.
 
     Raises:
       ValueError: for a non-positive max_new_tokens or batch_size, bad sampling settings, a tree budget
-        without a DFlash drafter (or with sampled drafts), or a prompt that does not fit
+        without a drafter (or with sampled DFlash drafts), or a prompt that does not fit
         (PromptTooLongError). All prompts are checked before any is generated.
     """
     if max_new_tokens < 1:
@@ -268,10 +269,10 @@ def generate(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
     sampling = SamplingParams.make(temperature, top_k, top_p)
     if tree_budget is not None:
-        if not hasattr(drafter, "with_tree_budget"):
+        if drafter is None:
             raise ValueError(
-                "tree_budget needs a DFlash drafter (drafter=dflax.load_drafter(...)); prompt lookup and "
-                "plain decoding verify chains"
+                "tree_budget needs a drafter: drafter=dflax.load_drafter(...) (DFlash) or "
+                "dflax.prompt_lookup(); plain decoding verifies one token per step"
             )
         drafter = drafter.with_tree_budget(tree_budget)
     seeds = list(row_seeds) if row_seeds is not None else [seed + i for i in range(len(prompts))]
