@@ -159,4 +159,5 @@ def test_lookup_sampling_is_lossless(name, tree_budget):
     assert p_value > 1e-3 and total_variation < TV_BOUND, f"p={p_value:.3g} TV={total_variation:.4f}"
     # Copied drafts are accepted often enough that every commit length carries the test.
     steps = hist.sum()
-    assert hist[2:].sum() > 0.1 * steps and hist[1:].min() > 0.02 * steps, f"accept histogram {hist}"
+    reachable = hist[1 : 3 + 1]  # 1 .. depth + 1 tokens per step; a tree's hist is longer (N + 2)
+    assert hist[2:].sum() > 0.1 * steps and reachable.min() > 0.02 * steps, f"accept histogram {hist}"
