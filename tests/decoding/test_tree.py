@@ -3,7 +3,8 @@
 - Masks and the walk on hand-made trees (the expected values written out).
 - An oracle tree that holds the target's greedy path among decoy siblings: the output is plain greedy
   decoding's and every step commits depth + 1 tokens exactly.
-- Compaction: the cache after a tree step equals the cache after a chain step that verified the same path.
+- Compaction: the cache after a tree step equals the cache after a chain step that verified the same path,
+  and so does the DFlash drafter's context (the accepted path's target features).
 - Sampling: on the toy target of `toy_target`, trees built from the target's own top-2 tokens (so every
   path length is accepted) give the exact distribution at T=1 and at T=0.7 / top-p 0.9; a rule that draws
   a fresh sample where the walk stops (instead of committing the sample that matched no child) is caught.
@@ -26,6 +27,7 @@ from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import decode_step, prefill
 from dflax.decoding.sampling import SamplingParams, sample, split_keys
 from dflax.decoding.tree import DraftTree, accept_tree, ancestor_mask, depths, first_matching_child, walk
+from dflax.drafters import load_drafter
 from dflax.generation import generate_ids
 from dflax.models.transformer import Transformer
 
@@ -180,10 +182,37 @@ class ChainProposer:
         return tree.tokens[:, 1::2], None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class WithDFlashContext:
+    """Drafts from a table oracle (parameters[0]) while a DFlash drafter (parameters[1]) observes what the
+    step commits, so its context cache shows the target features the step hands a drafter."""
+
+    drafts: object
+    dflash: object
+
+    @property
+    def num_draft(self) -> int:
+        return self.drafts.num_draft
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.dflash.tap_layers
+
+    def init_state(self, batch, slots, dtype):
+        return self.dflash.init_state(batch, slots, dtype)
+
+    def observe(self, params, drafter_state, tokens, taps, positions, count):
+        return self.dflash.observe(params[1], drafter_state, tokens, taps, positions, count)
+
+    def propose(self, params, target_params, state, keys):
+        return self.drafts.propose(params[0], target_params, state, keys)
+
+
 @pytest.mark.parametrize("wrong_at", [None, 3])
 def test_compacted_cache_equals_the_chain_cache(target, wrong_at):
     """After one step, the K/V of the committed tokens sit in the same slots with the same values whether
-    the path was verified inside a tree (and gathered) or as a chain."""
+    the path was verified inside a tree (and gathered) or as a chain; so does the DFlash drafter's context
+    (the accepted path's target features, projected)."""
     depth, b, p = 5, len(PROMPTS), 16
     expected, table = greedy_table(target, PROMPTS, 20)
     tokens = np.zeros((b, p), np.int32)
@@ -192,8 +221,11 @@ def test_compacted_cache_equals_the_chain_cache(target, wrong_at):
     lens = jnp.asarray([len(x) for x in PROMPTS], jnp.int32)
     sampling = SamplingParams.make()
     tree = OracleTreeProposer(depth, target.config.vocab_size, wrong_at)
+    dflash = load_drafter("untrained", target, block_size=4)
+    params = (table, dflash.params)
 
-    def one_step(proposer):
+    def one_step(drafts):
+        proposer = WithDFlashContext(drafts, dflash.proposer)
         state = prefill(
             target.module,
             target.params,
@@ -204,23 +236,26 @@ def test_compacted_cache_equals_the_chain_cache(target, wrong_at):
             jax.vmap(jax.random.key)(jnp.arange(b, dtype=jnp.uint32)),
             jnp.asarray([-1], jnp.int32),
             sampling,
+            params,
             max_tokens=20,
             proposer=proposer,
         )
-        return decode_step(target.module, target.params, state, sampling, table, proposer)
+        return decode_step(target.module, target.params, state, sampling, params, proposer)
 
     from_tree, from_chain = one_step(tree), one_step(ChainProposer(tree))
     count = wrong_at or depth + 1  # the last token and the accepted drafts
     np.testing.assert_array_equal(from_tree.cache.lengths, lens + count)
     np.testing.assert_array_equal(from_chain.cache.lengths, from_tree.cache.lengths)
+    np.testing.assert_array_equal(from_tree.drafter_state.lengths, from_tree.cache.lengths)
+    np.testing.assert_array_equal(from_chain.drafter_state.lengths, from_tree.cache.lengths)
     np.testing.assert_array_equal(from_tree.num_generated, from_chain.num_generated)
-    for k_tree, k_chain, v_tree, v_chain in zip(
-        from_tree.cache.k, from_chain.cache.k, from_tree.cache.v, from_chain.cache.v
-    ):
-        for r in range(b):
-            filled = int(from_tree.cache.lengths[r])
-            np.testing.assert_allclose(k_tree[r, :filled], k_chain[r, :filled], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(v_tree[r, :filled], v_chain[r, :filled], rtol=1e-5, atol=1e-5)
+    for tree_cache, chain_cache in [(from_tree.cache, from_chain.cache),
+                                    (from_tree.drafter_state, from_chain.drafter_state)]:  # fmt: skip
+        for k_tree, k_chain, v_tree, v_chain in zip(tree_cache.k, chain_cache.k, tree_cache.v, chain_cache.v):
+            for r in range(b):
+                filled = int(tree_cache.lengths[r])
+                np.testing.assert_allclose(k_tree[r, :filled], k_chain[r, :filled], rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(v_tree[r, :filled], v_chain[r, :filled], rtol=1e-5, atol=1e-5)
 
 
 def test_sampled_drafts_in_a_tree_are_refused(target):
