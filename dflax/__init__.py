@@ -3,12 +3,13 @@
 Public API:
   load_target(name_or_path, dtype=None)  -> Target
   load_drafter(path_or_name, target, ...)-> Drafter (DFlash)
-  generate(target, prompts, drafter=None, ...) -> list[GenerationResult]
+  prompt_lookup(block_size=...)          -> LookupDrafter (training-free prompt lookup)
+  generate(target, prompts, drafter=None, tree_budget=None, ...) -> list[GenerationResult]
   SamplingParams, ModelConfig, Target, GenerationResult
 """
 
 from dflax.decoding.sampling import SamplingParams
-from dflax.drafters import Drafter, DraftSampling, load_drafter
+from dflax.drafters import Drafter, DraftSampling, LookupDrafter, load_drafter, prompt_lookup
 from dflax.generation import GenerationResult, PromptTooLongError, generate
 from dflax.models.config import ModelConfig, UnsupportedArchitectureError
 from dflax.target import Target, load_target
@@ -17,6 +18,8 @@ __all__ = [
     "DraftSampling",
     "Drafter",
     "load_drafter",
+    "LookupDrafter",
+    "prompt_lookup",
     "GenerationResult",
     "ModelConfig",
     "PromptTooLongError",

@@ -27,7 +27,7 @@ from dflax.prompts import load_prompts
 from dflax.roofline import measure_roofline, step_floor_s
 from dflax.target import Target, load_target
 
-BENCH_METHODS = ("ar", "dflash", "hf")
+BENCH_METHODS = ("ar", "dflash", "lookup", "hf")
 AUTO = "auto"  # a block size chosen by the cost model (dflax.decoding.block_size)
 
 
@@ -71,7 +71,6 @@ def _run_dflax(
                 "loop_steps": max(r.stats["steps"] for r in results),  # decode-loop iterations
                 "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
                 "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
-                "block_size": drafter.proposer.block_size if drafter else None,
             }
         )
         progress(len(idx))
@@ -184,18 +183,21 @@ def _weights_read(params) -> int:
 
 
 def _add_projection(results: list[dict], target: Target, drafter, n_prompts: int) -> None:
-    """Adds each speculative result's projected speedup on accelerators (see dflax.projection)."""
-    vocab = drafter.proposer.draft_vocab
-    head_rows = len(vocab) if vocab is not None else target.config.vocab_size
-    drafter_params = _weights_read(drafter.params) + head_rows * target.config.hidden_size
+    """Adds each speculative result's projected speedup on accelerators (see dflax.projection): a step
+    verifies the block (or the tree's nodes and root) and runs the DFlash drafter (lookup runs none)."""
     target_params = _weights_read(target.params)
+    drafter_params = 0
+    if drafter is not None:
+        vocab = drafter.proposer.draft_vocab
+        head_rows = len(vocab) if vocab is not None else target.config.vocab_size
+        drafter_params = _weights_read(drafter.params) + head_rows * target.config.hidden_size
     for r in results:
         if r.get("block_size"):
             rows = min(r["batch_size"], n_prompts)
+            verified = r["tree_budget"] + 1 if r.get("tree_budget") else r["block_size"]
+            read = drafter_params if r["method"].startswith("dflash") else 0
             r["projected_speedup"] = {
-                key: projection.projected_speedup(
-                    chip, target_params, drafter_params, r["tau"], r["block_size"], rows
-                )
+                key: projection.projected_speedup(chip, target_params, read, r["tau"], verified, rows)
                 for key, chip in projection.ACCELERATORS.items()
             }
 
@@ -212,6 +214,7 @@ def run_bench(
     seed: int,
     drafter: str | None = None,
     block_sizes: list[int | str] | None = None,
+    tree_budgets: list[int] | None = None,
     draft_sampling: str = "greedy",
     cost_curve: bool = False,
     console=None,
@@ -222,7 +225,8 @@ def run_bench(
       prompts: "humaneval", "mtbench" or a JSONL file.
       target: target name or path.
       methods: subset of BENCH_METHODS; "ar" is dflax plain decoding and the reference for speedups.
-        With several block sizes, "dflash" runs once per size, reported as "dflash-b{B}".
+        With several block sizes or tree budgets, "dflash" and "lookup" run once per size and budget,
+        reported as e.g. "dflash-b{B}", "lookup-t{N}", "dflash-b{B}-t{N}".
       limit: first N prompts.
       max_new_tokens: budget per prompt.
       temperature: 0 = greedy.
@@ -230,9 +234,10 @@ def run_bench(
         batch_size; speedups and lossless_match compare with ar at the same batch size).
       seed: sampling seed.
       drafter: drafter path, "untrained", or None for the drafter shipped for the target.
-      block_sizes: DFlash block sizes to run; "auto" picks one per batch size from the cost model, or
-        plain decoding when none pays (its result's block_size is None). Default: "auto" for a drafter
-        with measured acceptance (the shipped one), else the trained block size.
+      block_sizes: block sizes to run; "auto" picks DFlash's per batch size from the cost model, or plain
+        decoding when none pays (its result's block_size is None). Default: "auto" for a DFlash drafter
+        with measured acceptance (the shipped one) decoding chains, else its trained block size; lookup: 8.
+      tree_budgets: tree budgets to run for dflash and lookup (0 = a chain, the default).
       draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       console: optional rich console for progress.
@@ -240,12 +245,15 @@ def run_bench(
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
       "results": [...]}, one result per method and batch size with tokens_per_s (decode only), prefill_s,
-      prefill_tokens_per_s, tau, step_s and step_vs_floor (one decode-loop iteration against this
-      machine's floor for that many rows, see dflax.roofline), and, when "ar" ran too, ar_tokens_per_s,
-      speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
+      prefill_tokens_per_s, tau, accept_hist (steps by tokens committed = accepted depth + 1),
+      block_size and tree_budget (None for ar and hf), step_s and step_vs_floor (one decode-loop
+      iteration against this machine's floor for that many rows, see dflax.roofline), and, when "ar"
+      ran too, ar_tokens_per_s, speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
     """
     from rich.progress import Progress
 
+    if tree_budgets and not {"dflash", "lookup"} & set(methods):
+        raise ValueError("--tree-budget applies to --method dflash and lookup; add one of them")
     records, bad = load_prompts(prompts)
     if bad:
         raise ValueError(f"{prompts}: malformed lines: " + "; ".join(map(str, bad)))
@@ -256,22 +264,42 @@ def run_bench(
         fit_to_context(encode_prompt(loaded, r.prompt), max_new_tokens, context, False, str(r.id))
         for r in records
     ]
-    runners, spec, sizes = {}, None, None
+    runners, settings, spec, sizes = {}, {}, None, None
     context = int(np.median([len(p) for p in prompt_ids])) + max_new_tokens // 2
     for method in methods:
-        if method != "dflash":
+        if method in ("ar", "hf"):
             runners[method] = _run_hf if method == "hf" else _run_dflax
+            settings[method] = {"block_size": None, "tree_budget": None}
             continue
-        from dflax.drafters import SHIPPED, DraftSampling, load_drafter
+        from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
+        from dflax.drafters.lookup import LOOKUP_BLOCK_SIZE
 
-        spec = load_drafter(drafter or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
-        sizes = block_sizes or [AUTO if spec.accept else spec.proposer.block_size]
-        for b in sizes:
-            name = "dflash" if len(sizes) == 1 else ("dflash-auto" if b == AUTO else f"dflash-b{b}")
-            if b == AUTO:
-                runners[name] = functools.partial(_run_auto, drafter=spec, context=context)
-            else:
-                runners[name] = functools.partial(_run_dflax, drafter=spec.with_block_size(b))
+        if method == "lookup":
+            method_drafter = prompt_lookup()
+            method_sizes = block_sizes or [LOOKUP_BLOCK_SIZE]
+            if AUTO in method_sizes:
+                raise ValueError("--block-size auto needs a drafter's measured acceptance; lookup has none")
+        else:
+            spec = load_drafter(drafter or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
+            method_drafter = spec
+            chains = not any(tree_budgets or [0])
+            default = AUTO if spec.accept and chains else spec.proposer.block_size
+            sizes = method_sizes = block_sizes or [default]
+            if AUTO in sizes and not chains:
+                raise ValueError("--block-size auto chooses chains; give block sizes with --tree-budget")
+        budgets = tree_budgets or [0]
+        for b in method_sizes:
+            for n in budgets:
+                name = method + (f"-{b}" if b == AUTO else f"-b{b}" if len(method_sizes) > 1 else "")
+                name += f"-t{n}" if len(budgets) > 1 else ""
+                if b == AUTO:  # the block size is chosen per batch size; the run reports it
+                    runners[name] = functools.partial(_run_auto, drafter=spec, context=context)
+                    settings[name] = {"tree_budget": 0}
+                    continue
+                runners[name] = functools.partial(
+                    _run_dflax, drafter=method_drafter.with_block_size(b).with_tree_budget(n)
+                )
+                settings[name] = {"block_size": b, "tree_budget": n}
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     roofline = measure_roofline(loaded.params)
     outputs, results = {}, []
@@ -289,7 +317,7 @@ def run_bench(
                     lambda k, task=task: progress.advance(task, k),
                 )
                 outputs[method, rows] = tokens
-                result = _summary(method, rows, per_batch)
+                result = {**_summary(method, rows, per_batch), **settings[method]}
                 if result["step_s"]:
                     result["step_vs_floor"] = result["step_s"] / step_floor_s(
                         roofline, min(rows, len(prompt_ids))
@@ -304,8 +332,7 @@ def run_bench(
         if temperature == 0:
             pairs = zip(outputs["ar", r["batch_size"]], outputs[r["method"], r["batch_size"]])
             r["lossless_match"] = float(np.mean([a == b for a, b in pairs]))
-    if spec is not None:
-        _add_projection(results, loaded, spec, len(prompt_ids))
+    _add_projection(results, loaded, spec, len(prompt_ids))
     report = {
         "target": target,
         "prompts": prompts,
@@ -315,8 +342,9 @@ def run_bench(
         "temperature": temperature,
         "drafter": spec.name if spec else None,
         "block_sizes": sizes,
+        "tree_budgets": tree_budgets or [0],
         "roofline": roofline,
-        "projection": projection.DESCRIPTION if spec is not None else None,
+        "projection": projection.DESCRIPTION,
         "results": results,
     }
     if cost_curve:

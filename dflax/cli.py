@@ -16,7 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(stderr=True)
 
 _TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"
-_METHODS = ("ar", "dflash")
+_METHODS = ("ar", "dflash", "lookup")
 _DRAFTER_HELP = (
     "DFlash drafter directory (official z-lab/dflash layout), 'untrained' (random, for tests); "
     "default: the drafter dflax ships for the target"
@@ -33,16 +33,29 @@ def _check_method(method: str) -> None:
         _fail(f"unknown method {method!r}; available: {', '.join(_METHODS)}")
 
 
-def _load_drafter(method: str, drafter: str | None, loaded, block_size: int | None, draft_sampling: str):
-    """The drafter for --method dflash (None for ar), with one clear error for bad input."""
+def _load_drafter(
+    method: str,
+    drafter: str | None,
+    loaded,
+    block_size: int | None,
+    draft_sampling: str,
+    tree_budget: int | None = None,
+):
+    """The drafter for --method dflash or lookup (None for ar), with one clear error for bad input."""
+    if tree_budget is not None and method == "ar":
+        _fail("--tree-budget needs --method dflash or lookup (plain decoding verifies one token per step)")
     if method == "ar":
         return None
-    from dflax.drafters import SHIPPED, DraftSampling, load_drafter
+    from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
+    from dflax.drafters.lookup import LOOKUP_BLOCK_SIZE
 
     try:
-        return load_drafter(
+        if method == "lookup":
+            return prompt_lookup(block_size or LOOKUP_BLOCK_SIZE, tree_budget or 0)
+        loaded_drafter = load_drafter(
             drafter or SHIPPED, loaded, block_size=block_size, draft_sampling=DraftSampling(draft_sampling)
         )
+        return loaded_drafter.with_tree_budget(tree_budget) if tree_budget else loaded_drafter
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
 
@@ -124,14 +137,21 @@ def generate(
     target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
     method: str = typer.Option(
         "ar",
-        help="ar (plain autoregressive) or dflash (speculative, lossless; the drafter dflax ships for the "
-        "target unless --drafter is given)",
+        help="ar (plain autoregressive), dflash (speculative, lossless; the drafter dflax ships for the "
+        "target unless --drafter is given) or lookup (prompt lookup: drafts copied from the prompt and "
+        "output, lossless, no drafter)",
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
     block_size: str = typer.Option(
         None,
-        help="DFlash block size B (anchor + B-1 drafts) or auto (the cost model's pick, plain decoding when "
-        "no B pays); default: auto for a drafter with measured acceptance (the shipped one), else trained B",
+        help="block size B (anchor + B-1 drafts) or auto (DFlash: the cost model's pick, plain decoding when "
+        "no B pays); default: auto for a DFlash drafter with measured acceptance (the shipped one) decoding "
+        "chains, else the drafter's trained B (lookup: 8)",
+    ),
+    tree_budget: int = typer.Option(
+        None,
+        help="verify a tree of N nodes per step (dflash: best first over the drafter's block; lookup: "
+        "several occurrences' continuations); 0 = a chain",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     chat: bool = typer.Option(False, "--chat", help="wrap argument prompts as a user chat message"),
@@ -176,9 +196,12 @@ def generate(
     fixed_block = _block_size_value(block_size) if block_size else None
     loaded = _load(target, dtype)
     spec_drafter = _load_drafter(
-        method, drafter, loaded, fixed_block if fixed_block != "auto" else None, draft_sampling
+        method, drafter, loaded, fixed_block if fixed_block != "auto" else None, draft_sampling, tree_budget
     )
-    if spec_drafter is not None and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
+    chains = method == "dflash" and not tree_budget
+    if fixed_block == "auto" and not chains:
+        _fail("--block-size auto chooses DFlash chains; give --block-size B with lookup or --tree-budget")
+    if chains and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
         spec_drafter = _auto_block_size(loaded, spec_drafter, todo, batch_size, max_new_tokens)
     sink = None
     if out:
@@ -252,13 +275,19 @@ def bench(
     prompts: str = typer.Option("humaneval", help="humaneval, mtbench or a JSONL prompt file"),
     target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
     method: str = typer.Option(
-        "ar", help="comma-separated: ar (plain decoding), dflash (shipped or --drafter), hf (transformers)"
+        "ar",
+        help="comma-separated: ar (plain decoding), dflash (shipped or --drafter), lookup (prompt lookup), "
+        "hf (transformers)",
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
     block_size: str = typer.Option(
         None,
-        help="DFlash block size B, auto, or several (8,16,auto: one dflash run each); default: auto for a "
-        "drafter with measured acceptance (the shipped one), else the trained B",
+        help="block size B, auto, or several (8,16,auto: one run each of dflash and lookup; auto is "
+        "dflash's); default: auto for a DFlash drafter with measured acceptance (the shipped one) "
+        "decoding chains, else the trained B (lookup: 8)",
+    ),
+    tree_budget: str = typer.Option(
+        None, help="tree budget N, or several (0,16,32: one dflash / lookup run each; 0 = a chain)"
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     cost_curve: bool = typer.Option(
@@ -287,6 +316,14 @@ def bench(
     if any(b < 1 for b in batch_sizes):
         _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
     block_sizes = [_block_size_value(b.strip()) for b in block_size.split(",")] if block_size else None
+    tree_budgets = None
+    if tree_budget:
+        try:
+            tree_budgets = [int(n) for n in tree_budget.split(",")]
+        except ValueError:
+            _fail(f"--tree-budget {tree_budget!r}: give integers >= 0, e.g. 16 or 0,16,32")
+        if any(n < 0 for n in tree_budgets):
+            _fail(f"--tree-budget {tree_budget!r}: give integers >= 0, e.g. 16 or 0,16,32")
     try:
         report = run_bench(
             prompts=prompts,
@@ -299,6 +336,7 @@ def bench(
             seed=seed,
             drafter=drafter,
             block_sizes=block_sizes,
+            tree_budgets=tree_budgets,
             draft_sampling=draft_sampling,
             cost_curve=cost_curve,
             console=console,

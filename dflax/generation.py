@@ -23,7 +23,7 @@ from dflax.decoding.sampling import SamplingParams
 from dflax.target import Target
 
 if TYPE_CHECKING:
-    from dflax.drafters import Drafter
+    from dflax.drafters import Drafter, LookupDrafter
 
 Prompt = str | list[dict[str, str]]
 _MIN_PROMPT_BUCKET = 16
@@ -40,7 +40,8 @@ class GenerationResult:
     Attributes:
       text: the generated text (special tokens removed).
       tokens: generated token ids (EOS included when it was produced).
-      stats: prompt_tokens, new_tokens, steps (verify steps), tau, accept_hist, finish_reason,
+      stats: prompt_tokens, new_tokens, steps (verify steps), tau, accept_hist (steps by tokens committed:
+        index 1 + accepted drafts, the accepted depth + 1 with trees), finish_reason,
         prefill_s / decode_s (of the batch the prompt ran in), batch_size.
     """
 
@@ -133,7 +134,7 @@ def generate_ids(
     sampling: SamplingParams,
     row_seeds: Sequence[int],
     batch_size: int,
-    drafter: Drafter | None = None,
+    drafter: Drafter | LookupDrafter | None = None,
     warmup: bool = False,
 ) -> list[GenerationResult]:
     """Generates for one batch of already-encoded prompts (at most batch_size of them).
@@ -145,7 +146,7 @@ def generate_ids(
       sampling: target sampling settings.
       row_seeds: one PRNG seed per prompt (the prompt's output depends only on its seed).
       batch_size: static batch size of the compiled step (rows beyond the prompts are padding).
-      drafter: a speculative drafter (None = plain autoregressive decoding).
+      drafter: a speculative drafter, DFlash or prompt lookup (None = plain autoregressive decoding).
       warmup: only compile this batch's shapes (every row stops after its first token).
 
     Returns:
@@ -231,7 +232,8 @@ def generate(
     truncate: bool = False,
     row_seeds: Sequence[int] | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
-    drafter: Drafter | None = None,
+    drafter: Drafter | LookupDrafter | None = None,
+    tree_budget: int | None = None,
 ) -> list[GenerationResult]:
     """Generates a completion for every prompt, plainly or speculatively (lossless either way).
 
@@ -247,20 +249,32 @@ def generate(
       truncate: keep the last tokens of a prompt that does not fit the context instead of failing.
       row_seeds: explicit per-prompt seeds (a prompt's output depends only on its seed).
       on_result: called with (prompt index, result) as soon as each prompt is done.
-      drafter: from `dflax.load_drafter`; None decodes one token per target forward.
+      drafter: from `dflax.load_drafter` (DFlash) or `dflax.prompt_lookup`; None decodes one token per
+        target forward.
+      tree_budget: N > 0 verifies a tree of N nodes each step (DFlash: best first over its block; prompt
+        lookup: the continuations of several occurrences) and 0 a chain; None keeps the drafter's own
+        setting (a chain unless set).
 
     Returns:
       One GenerationResult per prompt, in order.
 
     Raises:
-      ValueError: for a non-positive max_new_tokens or batch_size, bad sampling settings, or a prompt that
-        does not fit (PromptTooLongError). All prompts are checked before any is generated.
+      ValueError: for a non-positive max_new_tokens or batch_size, bad sampling settings, a tree budget
+        without a drafter (or with sampled DFlash drafts), or a prompt that does not fit
+        (PromptTooLongError). All prompts are checked before any is generated.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
     sampling = SamplingParams.make(temperature, top_k, top_p)
+    if tree_budget is not None:
+        if drafter is None:
+            raise ValueError(
+                "tree_budget needs a drafter: drafter=dflax.load_drafter(...) (DFlash) or "
+                "dflax.prompt_lookup(); plain decoding verifies one token per step"
+            )
+        drafter = drafter.with_tree_budget(tree_budget)
     seeds = list(row_seeds) if row_seeds is not None else [seed + i for i in range(len(prompts))]
     if len(seeds) != len(prompts):
         raise ValueError(f"row_seeds has {len(seeds)} entries for {len(prompts)} prompts")

@@ -2,8 +2,9 @@
 
 A forward over `tokens` tokens through `params` bf16 weights takes at least
 max(weight bytes / memory bandwidth, 2 * params * tokens / peak FLOP/s). A plain step is one target forward
-over one token per row; a speculative step with block size B is one drafter forward and one target forward
-over B tokens per row and commits tau tokens on average. The projected speedup is
+over one token per row; a speculative step that verifies B tokens per row (a block, or a tree's nodes and
+root) is one drafter forward and one target forward over them and commits tau tokens on average. The
+projected speedup is
 
     tau * t_target(rows) / (t_drafter(rows * B) + t_target(rows * B)).
 
@@ -44,20 +45,18 @@ def forward_s(chip: Accelerator, params: int, tokens: int) -> float:
 
 
 def projected_speedup(
-    chip: Accelerator, target_params: int, drafter_params: int, tau: float, block_size: int, rows: int
+    chip: Accelerator, target_params: int, drafter_params: int, tau: float, verified: int, rows: int
 ) -> float:
-    """The speedup over plain decoding that `tau` implies at block size B and `rows` rows on `chip`.
+    """The speedup over plain decoding that `tau` implies with `verified` tokens per row and step.
 
     Args:
       chip: the accelerator.
       target_params: weights a target forward reads (embedding gathers excluded).
       drafter_params: weights a drafter forward reads (its layers and the LM-head rows it scores).
       tau: measured mean tokens committed per speculative step.
-      block_size: B, tokens verified per row and step.
+      verified: tokens verified per row and step (the block size B, or a tree's nodes plus its root).
       rows: batch rows.
     """
     plain = forward_s(chip, target_params, rows)
-    step = forward_s(chip, drafter_params, rows * block_size) + forward_s(
-        chip, target_params, rows * block_size
-    )
+    step = forward_s(chip, drafter_params, rows * verified) + forward_s(chip, target_params, rows * verified)
     return tau * plain / step

@@ -183,3 +183,45 @@ def test_bench_runs_several_block_sizes_in_one_run(tmp_path, target_dir):
         assert r["lossless_match"] == 1.0 and r["new_tokens"] > 0 and r["tokens_per_s"] > 0
     assert by_method["ar"]["tau"] == 1.0
     assert sum(by_method["dflash-b4"]["accept_hist"]) > 0
+
+
+def test_lookup_and_dflash_trees_match_ar(tmp_path, target_dir):
+    prompts = tmp_path / "p.jsonl"
+    write_jsonl(prompts, PROMPTS)
+    outputs = {}
+    runs = {
+        "ar": [],
+        "lookup": ["--method", "lookup", "--block-size", "4"],
+        "lookup-tree": ["--method", "lookup", "--block-size", "4", "--tree-budget", "9"],
+        "tree": ["--method", "dflash", "--drafter", "untrained", "--block-size", "4", "--tree-budget", "6"],
+    }
+    for name, extra in runs.items():
+        out = tmp_path / f"{name}.jsonl"
+        result = run(target_dir, "--prompts", str(prompts), "--out", str(out), *extra)
+        assert result.exit_code == 0, result.output
+        outputs[name] = {k: v["tokens"] for k, v in read_results(out).items()}
+    for name in runs:
+        assert outputs[name] == outputs["ar"], name
+
+
+def test_tree_budget_needs_a_drafter(target_dir):
+    result = run(target_dir, "--tree-budget", "8", "w5")
+    assert result.exit_code == 2
+    assert "--tree-budget needs --method dflash or lookup" in " ".join(result.output.split())
+
+
+def test_bench_runs_lookup_at_several_tree_budgets(tmp_path, target_dir):
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    write_jsonl(prompts, PROMPTS[:2])
+    args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "ar,lookup"]
+    args += ["--block-size", "4", "--tree-budget", "0,6", "--max-new-tokens", "5", "--json", str(report)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["tree_budgets"] == [0, 6]
+    by_method = {r["method"]: r for r in data["results"]}
+    assert set(by_method) == {"ar", "lookup-t0", "lookup-t6"}
+    assert [by_method[m]["tree_budget"] for m in ("ar", "lookup-t0", "lookup-t6")] == [None, 0, 6]
+    for r in by_method.values():
+        assert r["lossless_match"] == 1.0 and r["new_tokens"] > 0
+    assert len(by_method["lookup-t6"]["accept_hist"]) == 6 + 2  # tokens committed per step: 0 .. N + 1

@@ -12,7 +12,8 @@ design/verification.md). The target's distribution always comes from `sampling.t
 
 All rules take the target's logits for the verified block, where position i scores the token that should
 follow the committed prefix and the first i drafts: logits[:, i] scores draft i, logits[:, T] scores the
-bonus token after all T drafts. A tree rule would return the same `Acceptance` plus the accepted path.
+bonus token after all T drafts. The tree rule (`dflax.decoding.tree.accept_tree`) returns the same
+`Acceptance` plus the accepted path.
 
 Glossary: B batch, T draft length, V vocabulary.
 """
@@ -49,8 +50,8 @@ class Acceptance:
     tokens: jax.Array
 
 
-def _commit(draft_tokens: jax.Array, num_accepted: jax.Array, next_tokens: jax.Array) -> Acceptance:
-    """Accepted drafts, then next_tokens[:, num_accepted], then zeros.
+def commit_tokens(draft_tokens: jax.Array, num_accepted: jax.Array, next_tokens: jax.Array) -> Acceptance:
+    """Accepted drafts, then next_tokens[:, num_accepted], then zeros (shared by the chain and tree rules).
 
     Args:
       draft_tokens: [B, T] drafts.
@@ -77,7 +78,7 @@ def _accept_matching(draft_tokens: jax.Array, target_tokens: jax.Array) -> Accep
       target_tokens: [B, T + 1] the target's token at every position of the block.
     """
     num_accepted = _accepted_prefix_length(draft_tokens == target_tokens[:, :-1])
-    return _commit(draft_tokens, num_accepted, target_tokens)
+    return commit_tokens(draft_tokens, num_accepted, target_tokens)
 
 
 def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Acceptance:
@@ -153,7 +154,7 @@ def accept_ratio(
     next_probs = jnp.concatenate([residual, p[:, -1:]], axis=1)  # [B, T + 1, V], unnormalised
     next_logits = jnp.where(next_probs > 0, jnp.log(next_probs), NEG_INF)
     next_tokens = categorical(key_residual, next_logits)  # [B, T + 1]
-    return _commit(draft_tokens, num_accepted, next_tokens)
+    return commit_tokens(draft_tokens, num_accepted, next_tokens)
 
 
 def sample_draft(

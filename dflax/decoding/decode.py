@@ -2,12 +2,16 @@
 
 Plain autoregressive decoding is this loop with a drafter that proposes nothing: the verified block is
 just the last committed token, and the acceptance rule commits the one token sampled from the target.
-Speculative methods plug a `Proposer` into the same step.
+Speculative methods plug a `Proposer` into the same step. A proposer returns a chain (verified causally by
+the delta or ratio rule) or a `DraftTree` (verified under its ancestor mask by the tree delta rule, the
+accepted path's K/V then gathered into contiguous slots; see dflax.decoding.tree). Either way the step
+commits a chain of tokens, and the drafter observes the committed tokens with their target features.
 
 Randomness is per row: row r at output index i uses fold_in(row_key[r], i), so a prompt's output does
 not depend on which other prompts share its batch.
 
-Glossary: B batch, P prompt bucket, S cache slots, M max new tokens (+ block headroom), n draft length.
+Glossary: B batch, P prompt bucket, S cache slots, M max new tokens (+ block headroom), n draft length
+(chain) or node count (tree).
 """
 
 from __future__ import annotations
@@ -18,9 +22,18 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflax.decoding.acceptance import accept_delta, accept_ratio
+from dflax.decoding.acceptance import Acceptance, accept_delta, accept_ratio
 from dflax.decoding.cache import KVCache, write_rows
 from dflax.decoding.sampling import SamplingParams, sample, split_keys
+from dflax.decoding.tree import (
+    DraftTree,
+    accept_tree,
+    ancestor_mask,
+    compact_path,
+    depths,
+    gather_path,
+    with_root,
+)
 from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
 
@@ -29,7 +42,7 @@ class Proposer(Protocol):
     """A drafter as the decode loop sees it (static; its parameters travel as a traced pytree).
 
     Attributes:
-      num_draft: n, draft tokens proposed per step (static).
+      num_draft: n, draft tokens (chain) or nodes (tree) proposed per step (static).
       tap_layers: target layers whose output hidden states the drafter reads (HF hidden_states[l + 1]).
     """
 
@@ -40,14 +53,22 @@ class Proposer(Protocol):
         """The drafter's own loop state (e.g. its context KV cache), empty."""
 
     def observe(
-        self, params: Any, drafter_state: Any, taps: tuple, positions: jax.Array, count: jax.Array
+        self,
+        params: Any,
+        drafter_state: Any,
+        tokens: jax.Array,
+        taps: tuple,
+        positions: jax.Array,
+        count: jax.Array,
     ) -> Any:
-        """Adds the first `count` [B] of the tokens at `positions` [B, T] (with their target taps)."""
+        """Adds the first `count` [B] of `tokens` [B, T], at `positions` [B, T], with their target taps
+        (one [B, T, D] per tap layer): tokens whose K/V the target's cache now holds."""
 
     def propose(
         self, params: Any, target_params: dict, state: DecodeState, key: jax.Array
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Draft tokens [B, n] and, when they were sampled from q, log q [B, n, V] (else None)."""
+    ) -> tuple[jax.Array | DraftTree, jax.Array | None]:
+        """A chain of draft tokens [B, n] and, when they were sampled from q, log q [B, n, V] (else None);
+        or a `DraftTree` of n nodes (deterministic drafts only) and None."""
 
 
 @struct.dataclass
@@ -64,7 +85,8 @@ class DecodeState:
       row_keys: [B] PRNG keys, one per row.
       eos_ids: [E] int32 token ids that end a row.
       steps: [B] int32 verify steps taken while the row was active.
-      accept_hist: [B, n + 2] int32, histogram of tokens committed per step (index = count).
+      accept_hist: [B, n + 2] int32, histogram of tokens committed per step (index = count; with a
+        tree, count = the accepted path's depth + 1).
       drafter_state: the proposer's own state (None for plain decoding).
     """
 
@@ -148,7 +170,9 @@ def prefill(
     drafter_state = None
     if proposer:
         drafter_state = proposer.init_state(b, cache.max_len, hidden.dtype)
-        drafter_state = proposer.observe(drafter_params, drafter_state, taps, positions, prompt_lens)
+        drafter_state = proposer.observe(
+            drafter_params, drafter_state, prompt_tokens, taps, positions, prompt_lens
+        )
     return DecodeState(
         cache=cache.replace(lengths=prompt_lens.astype(jnp.int32)),
         last_token=first,
@@ -162,6 +186,60 @@ def prefill(
         accept_hist=jnp.zeros((b, n + 2), jnp.int32),
         drafter_state=drafter_state,
     )
+
+
+@struct.dataclass
+class Verified:
+    """One verify forward and its acceptance, laid out as a chain whatever the draft's shape.
+
+    Attributes:
+      cache: the target cache with the committed tokens' K/V at slots [lengths, lengths + count)
+        (`lengths` not advanced yet).
+      acceptance: the committed tokens [B, n + 1] and the number of accepted drafts.
+      tokens: [B, n + 1] the verified tokens in committed order (last token, then the accepted drafts).
+      taps: one [B, n + 1, D] per tap layer, the target's features of `tokens`.
+      positions: [B, n + 1] int32 absolute positions of `tokens`.
+    """
+
+    cache: KVCache
+    acceptance: Acceptance
+    tokens: jax.Array
+    taps: tuple
+    positions: jax.Array
+
+
+def _verify_chain(model, params, state, drafts, draft_log_probs, sampling, keys, taps_wanted) -> Verified:
+    """Verifies the chain [last token, drafts] [B, n + 1] with a causal mask (delta or ratio rule)."""
+    b, n = drafts.shape
+    block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, n + 1]
+    positions = state.cache.lengths[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((n + 1, n + 1), jnp.bool_)), (b, n + 1, n + 1))
+    hidden, cache, taps = model.apply(params, block, positions, state.cache, causal, taps_wanted)
+    logits = model.apply(params, hidden, method=Transformer.logits)  # [B, n + 1, V]
+    if draft_log_probs is None:
+        acc = accept_delta(keys, drafts, logits, sampling)
+    else:
+        acc = accept_ratio(keys, drafts, draft_log_probs, logits, sampling)
+    return Verified(cache, acc, block, taps, positions)
+
+
+def _verify_tree(model, params, state, tree, draft_log_probs, sampling, keys, taps_wanted) -> Verified:
+    """Verifies [last token, tree nodes] [B, N + 1] under their ancestor mask (tree delta rule), then
+    moves the accepted path's K/V to contiguous slots."""
+    if draft_log_probs is not None:
+        raise ValueError(
+            "a draft tree is verified by the tree delta rule, which needs drafts chosen without sampling; "
+            "propose deterministic (argmax / top-k) trees, or sampled drafts as a chain"
+        )
+    tokens, parents = with_root(tree, state.last_token)  # [B, N + 1]
+    mask = ancestor_mask(parents)  # [B, N + 1, N + 1]
+    positions = state.cache.lengths[:, None] + depths(mask)  # [B, N + 1]
+    hidden, cache, taps = model.apply(params, tokens, positions, state.cache, mask, taps_wanted)
+    logits = model.apply(params, hidden, method=Transformer.logits)  # [B, N + 1, V]
+    acc, path = accept_tree(keys, tree, state.last_token, logits, sampling)
+    path_positions = state.cache.lengths[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)
+    path_taps = tuple(gather_path(tap, path) for tap in taps)
+    return Verified(compact_path(cache, path), acc, gather_path(tokens, path), path_taps, path_positions)
 
 
 def decode_step(
@@ -185,7 +263,6 @@ def decode_step(
     Returns:
       The state after committing between 1 and n + 1 tokens per active row.
     """
-    cache = state.cache
     b = state.last_token.shape[0]
     keys = _row_keys_at(state.row_keys, state.num_generated)
     accept_keys, draft_keys = split_keys(keys)
@@ -193,20 +270,11 @@ def decode_step(
         drafts, draft_log_probs = jnp.zeros((b, 0), jnp.int32), None
     else:
         drafts, draft_log_probs = proposer.propose(drafter_params, params, state, draft_keys)  # [B, n]
-    n = drafts.shape[1]
-    block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, n + 1]
-    positions = cache.lengths[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((n + 1, n + 1), jnp.bool_)), (b, n + 1, n + 1))
     taps_wanted = proposer.tap_layers if proposer else ()
-    hidden, cache, taps = model.apply(params, block, positions, cache, causal, taps_wanted)
-    logits = model.apply(params, hidden, method=Transformer.logits)  # [B, n + 1, V]
-
-    if draft_log_probs is None:
-        acc = accept_delta(accept_keys, drafts, logits, sampling)
-    else:
-        acc = accept_ratio(accept_keys, drafts, draft_log_probs, logits, sampling)
-    committed = acc.tokens  # [B, n + 1]; valid up to num_accepted + 1
-    count = acc.num_accepted + 1  # [B]
+    verify = _verify_tree if isinstance(drafts, DraftTree) else _verify_chain
+    verified = verify(model, params, state, drafts, draft_log_probs, sampling, accept_keys, taps_wanted)
+    cache, committed, count = verified.cache, verified.acceptance.tokens, verified.acceptance.num_accepted + 1
+    n = committed.shape[1] - 1
 
     # Stop at the first EOS among the committed tokens and at the row's budget.
     idx = jnp.arange(n + 1)
@@ -221,9 +289,14 @@ def decode_step(
     drafter_state = state.drafter_state
     if proposer is not None:
         # The block's target features come free from the verify pass: the drafter keeps those of the
-        # committed tokens (the last committed token and the accepted drafts).
+        # committed tokens (the last committed token and the accepted drafts, along the accepted path).
         drafter_state = proposer.observe(
-            drafter_params, drafter_state, taps, positions, jnp.where(active, count, 0)
+            drafter_params,
+            drafter_state,
+            verified.tokens,
+            verified.taps,
+            verified.positions,
+            jnp.where(active, count, 0),
         )
     return state.replace(
         cache=cache.replace(lengths=cache.lengths + jnp.where(active, count, 0)),

@@ -1,4 +1,5 @@
-"""Drafters: DFlash (block diffusion with KV injection). `load_drafter` returns one ready for `generate`."""
+"""Drafters: DFlash (block diffusion with KV injection) and prompt lookup. `load_drafter` returns a DFlash
+drafter ready for `generate`, `prompt_lookup` a prompt-lookup one."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dflax.drafters.dflash import (
     DraftSampling,
     init_drafter_params,
 )
+from dflax.drafters.lookup import LookupDrafter, prompt_lookup
 from dflax.drafters.shipped import SHIPPED_DRAFTERS, shipped_drafter_path
 from dflax.target import Target
 
@@ -47,6 +49,14 @@ class Drafter:
                 f"block size must be >= 2 (the anchor plus at least one draft), got {block_size}"
             )
         return dataclasses.replace(self, proposer=dataclasses.replace(self.proposer, block_size=block_size))
+
+    def with_tree_budget(self, tree_budget: int) -> Drafter:
+        """The same drafter proposing best-first trees of `tree_budget` nodes over its block (0 = a chain).
+
+        Raises:
+          ValueError: for a negative budget, or a budget with sampled drafts (trees need greedy drafts).
+        """
+        return dataclasses.replace(self, proposer=dataclasses.replace(self.proposer, tree_budget=tree_budget))
 
     def save(self, path: str | Path, dtype: str = "float32") -> None:
         """Writes the drafter in the official DFlash layout (see dflax.drafters.checkpoint)."""
@@ -124,7 +134,9 @@ __all__ = [
     "DFlashConfig",
     "DraftSampling",
     "Drafter",
+    "LookupDrafter",
     "init_drafter_params",
     "load_drafter",
+    "prompt_lookup",
     "shipped_drafter_path",
 ]

@@ -23,6 +23,8 @@ import numpy as np
 
 from dflax.decoding.cache import KVCache, write_rows
 from dflax.decoding.sampling import NEG_INF, SamplingParams, categorical, target_log_probs
+from dflax.decoding.tree import DraftTree
+from dflax.drafters.best_first import best_first_tree
 from dflax.models.config import ModelConfig
 from dflax.models.layers import Linear, RMSNorm
 from dflax.models.transformer import DecoderLayer, Transformer
@@ -214,6 +216,8 @@ class DFlashProposer:
       draft_sampling: greedy drafts (delta rule) or sampled drafts (ratio rule).
       draft_vocab: [V'] int32 target token ids the drafter reads out (see dflax.drafters.draft_vocab);
         None = the whole vocabulary.
+      tree_budget: 0 proposes the block's argmax chain; N > 0 proposes a best-first tree of N nodes over
+        the block's per-position distributions (dflax.drafters.best_first), greedy drafts only.
     """
 
     module: DFlashDrafter
@@ -221,11 +225,27 @@ class DFlashProposer:
     block_size: int
     draft_sampling: DraftSampling = DraftSampling()
     draft_vocab: np.ndarray | None = None
+    tree_budget: int = 0
+
+    def __post_init__(self):
+        if self.tree_budget < 0:
+            raise ValueError(f"tree budget must be >= 0 (0 = a chain), got {self.tree_budget}")
+        if self.tree_budget and self.draft_sampling.mode != "greedy":
+            raise ValueError(
+                "draft trees are verified by the tree delta rule, which needs drafts chosen without "
+                "sampling: use draft sampling 'greedy' with a tree budget, or tree budget 0 (a chain) "
+                "with sampled drafts"
+            )
+
+    @property
+    def block_drafts(self) -> int:
+        """block_size - 1 positions drafted by one drafter forward."""
+        return self.block_size - 1
 
     @property
     def num_draft(self) -> int:
-        """n = block_size - 1 drafts per step."""
-        return self.block_size - 1
+        """Drafts verified per step: block_size - 1 as a chain, or the tree budget's N nodes."""
+        return self.tree_budget or self.block_drafts
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -236,7 +256,7 @@ class DFlashProposer:
         """An empty context cache with as many slots as the target's."""
         return KVCache.init(self.module.config.layers, batch, slots, dtype)
 
-    def observe(self, params, drafter_state: KVCache, taps, positions, count) -> KVCache:
+    def observe(self, params, drafter_state: KVCache, tokens, taps, positions, count) -> KVCache:
         """Projects the new tokens' target features into the context cache and keeps the first `count`."""
         features = jnp.concatenate(taps, axis=-1)  # [B, T, K * D]
         ks, vs = self.module.apply(params, features, positions, method=DFlashDrafter.context_kv)
@@ -260,7 +280,7 @@ class DFlashProposer:
             mask = self.module.apply(params, method=DFlashDrafter.mask_vector).astype(anchor.dtype)
         else:
             mask = embedding[config.mask_token_id]
-        masks = jnp.broadcast_to(mask, (anchor.shape[0], self.num_draft, anchor.shape[-1]))  # [R, n, D]
+        masks = jnp.broadcast_to(mask, (anchor.shape[0], self.block_drafts, anchor.shape[-1]))  # [R, n, D]
         return jnp.concatenate([anchor, masks], axis=1)
 
     def draft_hidden(
@@ -279,15 +299,20 @@ class DFlashProposer:
           [R, n + 1, D] final hidden states; position k (1..n) predicts the token at start + k.
         """
         block = self.block_inputs(params, target_params, last_token)  # [R, n + 1, D]
-        positions = start[:, None] + jnp.arange(self.num_draft + 1, dtype=jnp.int32)  # [R, n + 1]
+        positions = start[:, None] + jnp.arange(self.block_drafts + 1, dtype=jnp.int32)  # [R, n + 1]
         return self.module.apply(params, block, positions, context)
 
-    def propose(self, params, target_params, state, keys) -> tuple[jax.Array, jax.Array | None]:
-        """Drafts n tokens per row from [last token, MASK x n] in one drafter forward."""
+    def propose(self, params, target_params, state, keys) -> tuple[jax.Array | DraftTree, jax.Array | None]:
+        """Drafts n tokens per row from [last token, MASK x n] in one drafter forward (or, with a tree
+        budget, the best-first tree over the n positions' distributions)."""
         hidden = self.draft_hidden(
             params, target_params, state.last_token, state.cache.lengths, state.drafter_state
         )  # [B, n + 1, D]
         logits = self.draft_logits(target_params, hidden[:, 1:])  # [B, n, V']
+        if self.tree_budget:
+            top_logits, top_index = jax.lax.top_k(logits, min(self.tree_budget, logits.shape[-1]))
+            log_probs = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B, n, K]
+            return best_first_tree(log_probs, self.token_ids(top_index), self.tree_budget), None
         if self.draft_sampling.mode == "greedy":
             return self.token_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
         q_params = SamplingParams.make(self.draft_sampling.temperature)

@@ -13,7 +13,7 @@ import pytest
 from sampling_definition import target_probs
 from scipy import stats
 
-from dflax.decoding.acceptance import _commit, accept_delta, accept_greedy, accept_ratio, sample_draft
+from dflax.decoding.acceptance import accept_delta, accept_greedy, accept_ratio, commit_tokens, sample_draft
 from dflax.decoding.sampling import SamplingParams, sample, target_log_probs
 
 VOCAB = 6
@@ -229,7 +229,7 @@ def _wrong_ratio_residual_is_p(key, drafts, draft_log_probs, target_logits, para
     q_draft = jnp.take_along_axis(jnp.exp(draft_log_probs), drafts[..., None], axis=-1)[..., 0]  # [B, T]
     accept = jax.random.uniform(key_accept, drafts.shape) * q_draft < p_draft
     num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)
-    return _commit(drafts, num_accepted, sample(key_next, target_logits, params))
+    return commit_tokens(drafts, num_accepted, sample(key_next, target_logits, params))
 
 
 def _wrong_delta_resamples(key, drafts, draft_log_probs, target_logits, params):
@@ -238,7 +238,7 @@ def _wrong_delta_resamples(key, drafts, draft_log_probs, target_logits, params):
     key_match, key_next = jax.random.split(key)
     y = sample(key_match, target_logits, params)  # [B, T + 1]
     num_accepted = jnp.sum(jnp.cumprod(drafts == y[:, :-1], axis=1), axis=1)
-    return _commit(drafts, num_accepted, sample(key_next, target_logits, params))
+    return commit_tokens(drafts, num_accepted, sample(key_next, target_logits, params))
 
 
 WRONG_RULES = {

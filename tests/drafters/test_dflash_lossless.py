@@ -68,7 +68,7 @@ class OracleProposer:
     def init_state(self, batch, slots, dtype):
         return None
 
-    def observe(self, params, drafter_state, taps, positions, count):
+    def observe(self, params, drafter_state, tokens, taps, positions, count):
         return None
 
     def propose(self, params, target_params, state, keys):
