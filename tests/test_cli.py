@@ -183,3 +183,41 @@ def test_bench_runs_several_block_sizes_in_one_run(tmp_path, target_dir):
         assert r["lossless_match"] == 1.0 and r["new_tokens"] > 0 and r["tokens_per_s"] > 0
     assert by_method["ar"]["tau"] == 1.0
     assert sum(by_method["dflash-b4"]["accept_hist"]) > 0
+
+
+def test_three_shards_union_equals_unsharded_run(tmp_path, target_dir):
+    """K=3 shards, each in its own process-like run and file: every id lands in exactly one shard, and the
+    union of the shard files is the unsharded output (at T > 0: seeds follow ids, not shards)."""
+    prompts = tmp_path / "p.jsonl"
+    rows = PROMPTS + [{"id": f"x{i}", "prompt": f"w{50 + i} w{60 + i}"} for i in range(7)]
+    write_jsonl(prompts, rows)
+    sampling = ["--temperature", "1.0", "--seed", "3", "--batch-size", "2"]
+    whole = tmp_path / "whole.jsonl"
+    assert run(target_dir, "--prompts", str(prompts), "--out", str(whole), *sampling).exit_code == 0
+    lines = []
+    for i in range(3):
+        out = tmp_path / f"shard{i}.jsonl"
+        args = ["--prompts", str(prompts), "--out", str(out), "--num-shards", "3", "--shard-index", str(i)]
+        result = run(target_dir, *args, *sampling)
+        assert result.exit_code == 0, result.output
+        lines += [json.loads(x) for x in out.read_text().splitlines()]
+        assert 0 < len(out.read_text().splitlines()) < len(rows)  # 12 ids do not all hash to one shard
+    ids = [json.dumps(r["id"]) for r in lines]
+    assert sorted(ids) == sorted(json.dumps(r["id"]) for r in rows)  # every id exactly once
+    expected = {k: r["tokens"] for k, r in read_results(whole).items()}
+    assert {json.dumps(r["id"]): r["tokens"] for r in lines} == expected
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--num-shards", "3", "--shard-index", "3"], "--shard-index must be in 0..2"),
+        (["--num-shards", "0"], "--num-shards must be a positive integer"),
+    ],
+)
+def test_bad_shard_arguments(tmp_path, target_dir, args, message):
+    prompts = tmp_path / "p.jsonl"
+    write_jsonl(prompts, PROMPTS)
+    result = run(target_dir, "--prompts", str(prompts), *args)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
