@@ -192,9 +192,9 @@ def run_bench(
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
       "results": [...]}, one result per method and batch size with tokens_per_s (decode only), prefill_s,
-      prefill_tokens_per_s, tau, step_s and step_vs_floor (one decode-loop iteration against this
-      machine's floor for that many rows, see dflax.roofline), and, when "ar" ran too, ar_tokens_per_s,
-      speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
+      prefill_tokens_per_s, tau, block_size (dflash), step_s and step_vs_floor (one decode-loop iteration
+      against this machine's floor for that many rows, see dflax.roofline), and, when "ar" ran too,
+      ar_tokens_per_s, speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
     """
     from rich.progress import Progress
 
@@ -208,7 +208,7 @@ def run_bench(
         fit_to_context(encode_prompt(loaded, r.prompt), max_new_tokens, context, False, str(r.id))
         for r in records
     ]
-    runners, spec, sizes = {}, None, None
+    runners, block_of, spec, sizes = {}, {}, None, None
     for method in methods:
         if method != "dflash":
             runners[method] = _run_hf if method == "hf" else _run_dflax
@@ -220,6 +220,7 @@ def run_bench(
         for b in sizes:
             name = "dflash" if len(sizes) == 1 else f"dflash-b{b}"
             runners[name] = functools.partial(_run_dflax, drafter=spec.with_block_size(b))
+            block_of[name] = b
         spec = spec.with_block_size(sizes[-1])
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     roofline = measure_roofline(loaded.params)
@@ -239,6 +240,8 @@ def run_bench(
                 )
                 outputs[method, rows] = tokens
                 result = _summary(method, rows, per_batch)
+                if method in block_of:
+                    result["block_size"] = block_of[method]
                 if result["step_s"]:
                     result["step_vs_floor"] = result["step_s"] / step_floor_s(
                         roofline, min(rows, len(prompt_ids))

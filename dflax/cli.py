@@ -288,6 +288,9 @@ def bench(
     ),
     seed: int = typer.Option(0, help="sampling seed"),
     json_out: Path = typer.Option(None, "--json", help="write the results as JSON"),
+    plot: Path = typer.Option(
+        None, "--plot", help="draw accepted lengths, tau/speedup per block size and the cost curve (PNG)"
+    ),
 ) -> None:
     """Measure decode tokens/s of methods on one prompt set, back to back in one run."""
     from dflax.bench import BENCH_METHODS, run_bench
@@ -302,6 +305,8 @@ def bench(
         _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
     if any(b < 1 for b in batch_sizes):
         _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
+    if plot and "dflash" not in methods and not cost_curve:
+        _fail("--plot draws speculative results and the cost curve: add --method ...,dflash or --cost-curve")
     block_sizes = None
     if block_size:
         try:
@@ -330,6 +335,16 @@ def bench(
     if json_out:
         json_out.write_text(text + "\n")
     print(text)
+    if plot:
+        from dflax.plots import bench_figure
+
+        try:
+            figure = bench_figure(json.loads(text))  # as read back from --json: the same keys
+        except ValueError as e:
+            _fail(f"--plot: {e}")
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(plot, dpi=120)
+        console.print(f"plot written to {plot}")
 
 
 @app.command("make-data")

@@ -161,6 +161,13 @@ def test_dflash_reports_tau_and_matches_plain_decoding(target_dir):
     assert plain.stdout.strip() and spec.stdout == plain.stdout  # the same text
 
 
+def test_bench_plot_needs_something_to_draw(target_dir, tmp_path):
+    args = ["bench", "--target", str(target_dir), "--method", "ar", "--plot", str(tmp_path / "b.png")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert "add --method ...,dflash or --cost-curve" in " ".join(result.output.split())
+
+
 def test_dflash_without_a_shipped_drafter(target_dir):
     result = run(target_dir, "--method", "dflash", "w5")
     assert result.exit_code == 2
@@ -173,8 +180,9 @@ def test_bench_runs_several_block_sizes_in_one_run(tmp_path, target_dir):
     write_jsonl(prompts, PROMPTS[:2])
     args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "ar,dflash"]
     args += ["--drafter", "untrained", "--block-size", "2,4", "--max-new-tokens", "5", "--json", str(report)]
-    result = runner.invoke(app, args)
+    result = runner.invoke(app, [*args, "--plot", str(tmp_path / "bench.png")])
     assert result.exit_code == 0, result.output
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(report.read_text())
     assert data["block_sizes"] == [2, 4] and data["n_prompts"] == 2
     by_method = {r["method"]: r for r in data["results"]}
