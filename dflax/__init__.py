@@ -5,8 +5,10 @@ Public API:
   load_drafter(path_or_name, target, ...)-> Drafter (DFlash)
   generate(target, prompts, drafter=None, ...) -> list[GenerationResult]
   SamplingParams, ModelConfig, Target, GenerationResult
+  enable_compilation_cache()             -> keep compiled programs on disk across runs
 """
 
+from dflax.checkpoints.model_files import enable_compilation_cache
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import Drafter, DraftSampling, load_drafter
 from dflax.generation import GenerationResult, PromptTooLongError, generate
@@ -23,6 +25,7 @@ __all__ = [
     "SamplingParams",
     "Target",
     "UnsupportedArchitectureError",
+    "enable_compilation_cache",
     "generate",
     "load_target",
 ]

@@ -104,14 +104,11 @@ def _read_recipe(cls, path: Path, label: str, **overrides):
 
 
 def _load(target: str, dtype: str | None):
-    import jax
-
-    from dflax.checkpoints.model_files import cache_dir
+    from dflax.checkpoints.model_files import enable_compilation_cache
     from dflax.target import load_target
 
     # Compiled decode steps persist across runs: a shape compiles once per machine, not once per command.
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    enable_compilation_cache()
 
     with console.status(f"loading {target} ..."):
         t0 = time.perf_counter()
@@ -150,6 +147,11 @@ def generate(
     top_k: int = typer.Option(0, help="top-k (0 = off)"),
     seed: int = typer.Option(0, help="sampling seed"),
     batch_size: int = typer.Option(8, help="prompts decoded together"),
+    refill_every: int = typer.Option(
+        16,
+        help="continuous batching: every N decode steps, rows that finished take the next prompts "
+        "(0 = static batches that run until their longest row ends); outputs are the same",
+    ),
     truncate: bool = typer.Option(
         False, "--truncate", help="keep the last tokens of prompts that do not fit"
     ),
@@ -176,6 +178,8 @@ def generate(
         _fail(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
     if batch_size < 1:
         _fail(f"--batch-size must be a positive integer, got {batch_size}")
+    if refill_every < 0:
+        _fail(f"--refill-every must be >= 0 (0 = static batches), got {refill_every}")
     if bool(prompts) == bool(prompts_file):
         _fail("give prompts as arguments or with --prompts FILE.jsonl (exactly one of the two)")
     if (num_shards, shard_index) != (1, 0) and not prompts_file:
@@ -250,6 +254,7 @@ def generate(
                 row_seeds=[row_seed(seed, r.id) for r in todo],
                 on_result=on_result,
                 drafter=spec_drafter,
+                refill_every=refill_every or None,
             )
     except ValueError as e:
         _fail(str(e))

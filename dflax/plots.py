@@ -1,9 +1,10 @@
-"""Pictures of bench reports and training runs (matplotlib, drawn off-screen with the Agg backend).
+"""Pictures of bench reports and training runs (matplotlib, rendered by the Agg backend).
 
 Each `plot_*` function draws one panel onto a given Axes (or a new figure) from the structures dflax
 writes: a `dflax bench` report (`run_bench`'s dict, or its `--json` file read back) and a training run's
 `metrics.jsonl` records. `bench_figure` puts every panel a report has data for into one figure, which
-`dflax bench --plot FILE.png` saves.
+`dflax bench --plot FILE.png` saves. Figures are made without pyplot, so drawing never switches the
+process's matplotlib backend or keeps figures alive; in a notebook a returned Figure shows inline.
 """
 
 from __future__ import annotations
@@ -14,13 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display is needed, notebooks show the returned figures inline
-
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 Report = dict[str, Any]
 _BLOCK_SUFFIX = re.compile(r"-b(\d+)$")
@@ -36,8 +33,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def new_figure(width: float, height: float = 4.0) -> Figure:
+    """A figure drawn by Agg (savefig writes PNG), independent of pyplot's current backend."""
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def _axes(ax: Axes | None) -> Axes:
-    return ax if ax is not None else plt.figure(figsize=(6, 4)).add_subplot()
+    return ax if ax is not None else new_figure(6).add_subplot()
 
 
 def _label(result: dict[str, Any]) -> str:
@@ -108,8 +112,7 @@ def plot_tau_and_speedup(report: Report, axes: Sequence[Axes] | None = None) -> 
     if not series:
         raise ValueError("the report has no speculative result with a block size to plot")
     if axes is None:
-        fig = plt.figure(figsize=(10, 4))
-        axes = fig.subplots(1, 2)
+        axes = new_figure(10).subplots(1, 2)
     tau_ax, speed_ax = axes
     for (batch, budget), points in series.items():
         label = f"batch {batch}" + (f", tree budget {budget}" if budget is not None else "")
@@ -197,7 +200,7 @@ def bench_figure(report: Report) -> Figure:
             "nothing to plot: the report has no speculative result and no cost curve; run bench with "
             "--method ar,dflash and/or --cost-curve"
         )
-    fig = plt.figure(figsize=(5 * len(panels), 4), layout="constrained")
+    fig = new_figure(5 * len(panels))
     axes = dict(zip(panels, fig.subplots(1, len(panels), squeeze=False)[0]))
     if "hist" in axes:
         plot_accepted_lengths(report, axes["hist"])
@@ -231,8 +234,7 @@ def plot_training(metrics: Sequence[dict[str, Any]], positions: int = 4, axes: S
     if not val:
         raise ValueError("no validation records in these metrics (train with validation sequences)")
     if axes is None:
-        fig = plt.figure(figsize=(10, 4), layout="constrained")
-        axes = fig.subplots(1, 2)
+        axes = new_figure(10).subplots(1, 2)
     acc_ax, tau_ax = axes
     steps = [m["step"] for m in val]
     for k in range(min(positions, len(val[0]["val_accept"]))):
