@@ -203,8 +203,8 @@ from dflax.train.trainer import TrainConfig
 
 TARGET = "smollm2-135m"
 DATA_DIR, RUN_DIR = "dflash-data", "dflash-run"
-if SMOKE:  # a minute or two on a CPU: checks the notebook end to end, trains nothing useful
-    TRAIN_PROMPTS, VALIDATION_PROMPTS, BENCH_PROMPTS, BENCH_TOKENS = 8, 4, 2, 16
+if SMOKE:  # minutes on a CPU: checks the notebook end to end, trains nothing useful
+    TRAIN_PROMPTS, VALIDATION_PROMPTS, BENCH_PROMPTS, BENCH_TOKENS, BENCH_BATCH = 8, 8, 2, 16, 2
     data = DataConfig(target=TARGET, max_prompt_tokens=64, max_new_tokens=16, shard_size=8, batch_size=8)
     recipe = TrainConfig(
         target=TARGET, num_layers=1, block_size=8, init="target", feature_norm=True, draft_vocab_size=1024,
@@ -212,7 +212,7 @@ if SMOKE:  # a minute or two on a CPU: checks the notebook end to end, trains no
         log_every=1,
     )
 else:  # a real run: the shipped recipe (configs/train/dflash-smollm2.json) on 20,000 answers
-    TRAIN_PROMPTS, VALIDATION_PROMPTS, BENCH_PROMPTS, BENCH_TOKENS = 20_000, 64, 80, 128
+    TRAIN_PROMPTS, VALIDATION_PROMPTS, BENCH_PROMPTS, BENCH_TOKENS, BENCH_BATCH = 20_000, 64, 80, 128, 1
     data = DataConfig(target=TARGET, max_new_tokens=256, temperature=0.2, top_p=0.9, shard_size=256,
                       batch_size=64 if PLATFORM != "cpu" else 16)
     recipe = TrainConfig(
@@ -279,7 +279,7 @@ from dflax.bench import run_bench
 drafter = dflax.load_drafter(str(result.drafter_dir), target)
 print(sorted(p.name for p in result.drafter_dir.iterdir()), "block size", drafter.proposer.block_size)
 report = run_bench(prompts="mtbench", target=TARGET, methods=["ar", "dflash"], limit=BENCH_PROMPTS,
-                   max_new_tokens=BENCH_TOKENS, temperature=0.0, batch_size=1, seed=0,
+                   max_new_tokens=BENCH_TOKENS, temperature=0.0, batch_size=BENCH_BATCH, seed=0,
                    drafter=str(result.drafter_dir))
 for r in report["results"]:
     print(f"{r['method']:7s} {r['tokens_per_s']:7.1f} tokens/s  tau {r['tau']:.2f}  "
@@ -307,8 +307,8 @@ forward of n tokens costs against this machine's floor."""
         new_code_cell(
             """\
 TARGET, PROMPTS = "smollm2-135m", "mtbench"  # or "humaneval", or a JSONL prompt file
-if SMOKE:
-    LIMIT, MAX_NEW_TOKENS, BLOCK_SIZES, BATCH_SIZES = 2, 16, [4, 8], [1]
+if SMOKE:  # one batch of two prompts: one compiled shape per method
+    LIMIT, MAX_NEW_TOKENS, BLOCK_SIZES, BATCH_SIZES = 2, 16, [4, 8], [2]
 else:
     LIMIT, MAX_NEW_TOKENS, BLOCK_SIZES, BATCH_SIZES = 80, 128, [4, 8, 16], [1, 8]
 TEMPERATURE = 0.0"""

@@ -81,6 +81,11 @@ def merge_rows(running: DecodeState, fresh: DecodeState, take: jax.Array) -> Dec
     """
 
     def pick(new, old):
+        if old.shape[:1] != take.shape:
+            raise ValueError(
+                f"continuous batching needs every decode-state buffer batch-first ({take.shape[0]} rows); "
+                f"one has shape {old.shape}: give the proposer's state a leading batch axis"
+            )
         mask = take.reshape((-1,) + (1,) * (old.ndim - 1))
         if jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
             data = jnp.where(mask[..., None], jax.random.key_data(new), jax.random.key_data(old))
