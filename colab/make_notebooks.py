@@ -160,9 +160,8 @@ from dflax.drafters import shipped_drafter_path
 
 drafter_dir = shipped_drafter_path("smollm2-135m")  # official DFlash layout: config.json + model.safetensors
 print(drafter_dir.name, sorted(p.name for p in drafter_dir.iterdir()))
-from_dir = dflax.load_drafter(str(drafter_dir), target)
-out = dflax.generate(target, prompts[:1], drafter=from_dir, max_new_tokens=MAX_NEW_TOKENS)
-assert out[0].tokens == plain[0].tokens
+from_dir = dflax.load_drafter(str(drafter_dir), target)  # generate(..., drafter=from_dir) as above
+assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), from_dir.params, drafter.params))
 
 OFFICIAL = None  # e.g. ("Qwen/Qwen3-8B", "<z-lab DFlash drafter repository for it>")
 if not SMOKE:
@@ -307,10 +306,12 @@ forward of n tokens costs against this machine's floor."""
         new_code_cell(
             """\
 TARGET, PROMPTS = "smollm2-135m", "mtbench"  # or "humaneval", or a JSONL prompt file
-if SMOKE:  # one batch of two prompts: one compiled shape per method
+if SMOKE:  # one batch of two prompts (one compiled shape per method), three verify sizes
     LIMIT, MAX_NEW_TOKENS, BLOCK_SIZES, BATCH_SIZES = 2, 16, [4, 8], [2]
+    COST_SIZES = (1, 4, 8)
 else:
     LIMIT, MAX_NEW_TOKENS, BLOCK_SIZES, BATCH_SIZES = 80, 128, [4, 8, 16], [1, 8]
+    COST_SIZES = (1, 2, 4, 8, 16, 32)  # tokens per verify forward on the cost curve
 TEMPERATURE = 0.0"""
         ),
         new_markdown_cell(
@@ -318,7 +319,7 @@ TEMPERATURE = 0.0"""
 
 Every method and block size at every batch size, each shape compiled before it is timed. Decode tokens/s
 counts the tokens after the first over decode time only; `cost_curve=True` also times one verify forward
-of n = 1 ... 32 tokens and one draft forward."""
+of n tokens for each n in `COST_SIZES` and one draft forward."""
         ),
         new_code_cell(
             """\
@@ -328,7 +329,7 @@ from dflax.bench import run_bench
 
 report = run_bench(prompts=PROMPTS, target=TARGET, methods=["ar", "dflash"], limit=LIMIT,
                    max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE, batch_size=BATCH_SIZES, seed=0,
-                   block_sizes=BLOCK_SIZES, cost_curve=True)
+                   block_sizes=BLOCK_SIZES, cost_curve=True, cost_curve_sizes=COST_SIZES)
 with open("bench.json", "w") as f:
     json.dump(report, f, indent=2)
 print(f"{'method':11s} {'batch':>5s} {'tok/s':>7s} {'tau':>5s} {'speedup':>7s} same-tokens")

@@ -168,6 +168,7 @@ def run_bench(
     block_sizes: list[int] | None = None,
     draft_sampling: str = "greedy",
     cost_curve: bool = False,
+    cost_curve_sizes: tuple[int, ...] = COST_CURVE_SIZES,
     console=None,
 ) -> dict[str, Any]:
     """Benchmarks methods back to back on the same prompts and target.
@@ -187,6 +188,7 @@ def run_bench(
       block_sizes: DFlash block sizes to run (default: the drafter's trained one).
       draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
+      cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
       console: optional rich console for progress.
 
     Returns:
@@ -270,24 +272,35 @@ def run_bench(
     }
     if cost_curve:
         report["cost_curve"] = measure_cost_curve(
-            loaded, spec, context=int(np.median([len(p) for p in prompt_ids]))
+            loaded, spec, context=int(np.median([len(p) for p in prompt_ids])), sizes=tuple(cost_curve_sizes)
         )
     return report
 
 
-def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: int = 15) -> dict[str, Any]:
-    """Median time of one target forward over n new tokens after `context` cached ones, n = 1..32.
+def measure_cost_curve(
+    target: Target,
+    drafter=None,
+    context: int = 256,
+    reps: int = 15,
+    sizes: tuple[int, ...] = COST_CURVE_SIZES,
+) -> dict[str, Any]:
+    """Median time of one target forward over n new tokens after `context` cached ones, for n in `sizes`.
 
     This curve bounds every speedup here: speedup <= tau * t(1) / (t(verify of the block) + t(draft)).
     With a drafter, also the median time of one draft forward (its block size).
+
+    Raises:
+      ValueError: when `sizes` lacks 1 (every time is also reported relative to a 1-token forward).
     """
+    if 1 not in sizes or min(sizes) < 1:
+        raise ValueError(f"cost curve sizes must be positive and include 1, got {sizes}")
     import jax.numpy as jnp
 
     from dflax.decoding.cache import KVCache
     from dflax.models.transformer import Transformer
 
     module = target.module
-    slots = context + max(COST_CURVE_SIZES) + 64
+    slots = context + max(sizes) + 64
 
     def empty_cache(num_slots):
         cache = KVCache.init(target.config, 1, num_slots, target.cache_dtype)
@@ -311,7 +324,7 @@ def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: i
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 
-    verify_s = {n: verify_time(n, slots) for n in COST_CURVE_SIZES}
+    verify_s = {n: verify_time(n, slots) for n in sizes}
     out = {
         "context": context,
         "verify_s": verify_s,

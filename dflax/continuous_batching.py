@@ -150,6 +150,31 @@ def generate_continuous(
     eos = jnp.asarray(target.eos_ids, jnp.int32)
     steps_per_chunk = jnp.asarray(refill_every, jnp.int32)
 
+    def prefill_rows(joining: dict[int, int]) -> DecodeState:
+        """A fresh state whose rows in `joining` ({row: prompt index}) hold those prompts, prefilled; the
+        other rows are one-token stand-ins with no budget (done at once, never merged)."""
+        bucket_p = prompt_bucket(max(len(prompt_ids[i]) for i in joining.values()))
+        tokens = np.zeros((rows, bucket_p), np.int32)
+        lens = np.ones((rows,), np.int32)
+        budgets = np.zeros((rows,), np.int32)
+        seeds = np.zeros((rows,), np.uint32)
+        for r, i in joining.items():
+            tokens[r, : len(prompt_ids[i])] = prompt_ids[i]
+            lens[r], budgets[r], seeds[r] = len(prompt_ids[i]), max_new_tokens, row_seeds[i]
+        return prefill_fn(
+            target.params,
+            jnp.asarray(tokens),
+            jnp.asarray(lens),
+            KVCache.init(target.config, rows, slots, target.cache_dtype),
+            jnp.asarray(budgets),
+            jax.vmap(jax.random.key)(jnp.asarray(seeds)),
+            eos,
+            sampling,
+            drafter_params,
+            max_tokens=max_new_tokens,
+            packed_tokens=packed_bucket(int(lens.sum()), rows, bucket_p),
+        )
+
     queue = collections.deque(range(n))
     owner: list[int | None] = [None] * rows  # the prompt each row decodes
     started: dict[int, tuple[float, float]] = {}  # prompt -> (prefill_s, decode start)
@@ -160,19 +185,7 @@ def generate_continuous(
         if free and queue:
             joining = {r: queue.popleft() for r in free[: len(queue)]}
             t0 = time.perf_counter()
-            fresh = _prefill_rows(
-                target,
-                prefill_fn,
-                joining,
-                prompt_ids,
-                row_seeds,
-                rows,
-                slots,
-                max_new_tokens,
-                sampling,
-                eos,
-                drafter_params,
-            )
+            fresh = prefill_rows(joining)
             take = np.zeros((rows,), bool)
             take[list(joining)] = True
             state = fresh if state is None else merge_fn(state, fresh, jnp.asarray(take))
@@ -206,42 +219,3 @@ def generate_continuous(
             if on_result is not None:
                 on_result(i, results[i])
     return results
-
-
-def _prefill_rows(
-    target,
-    prefill_fn,
-    joining,
-    prompt_ids,
-    row_seeds,
-    rows,
-    slots,
-    max_new_tokens,
-    sampling,
-    eos,
-    drafter_params,
-) -> DecodeState:
-    """A fresh state whose rows in `joining` ({row: prompt index}) hold those prompts, prefilled; the other
-    rows are one-token stand-ins with no budget (done at once, never merged)."""
-    bucket_p = prompt_bucket(max(len(prompt_ids[i]) for i in joining.values()))
-    tokens = np.zeros((rows, bucket_p), np.int32)
-    lens = np.ones((rows,), np.int32)
-    budgets = np.zeros((rows,), np.int32)
-    seeds = np.zeros((rows,), np.uint32)
-    for r, i in joining.items():
-        ids = prompt_ids[i]
-        tokens[r, : len(ids)] = ids
-        lens[r], budgets[r], seeds[r] = len(ids), max_new_tokens, row_seeds[i]
-    return prefill_fn(
-        target.params,
-        jnp.asarray(tokens),
-        jnp.asarray(lens),
-        KVCache.init(target.config, rows, slots, target.cache_dtype),
-        jnp.asarray(budgets),
-        jax.vmap(jax.random.key)(jnp.asarray(seeds)),
-        eos,
-        sampling,
-        drafter_params,
-        max_tokens=max_new_tokens,
-        packed_tokens=packed_bucket(int(lens.sum()), rows, bucket_p),
-    )

@@ -229,3 +229,10 @@ def test_bad_shard_arguments(tmp_path, target_dir, args, message):
     result = run(target_dir, "--prompts", str(prompts), *args)
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
+
+
+def test_cost_curve_sizes_must_include_one_token():
+    from dflax.bench import measure_cost_curve
+
+    with pytest.raises(ValueError, match="include 1"):
+        measure_cost_curve(None, sizes=(2, 4))
