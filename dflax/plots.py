@@ -82,6 +82,7 @@ def plot_accepted_lengths(report: Report, ax: Axes | None = None) -> Axes:
         steps = max(sum(hist), 1)
         x = [k + 1 + (i - (len(results) - 1) / 2) * width for k in range(len(hist))]
         ax.bar(x, [h / steps for h in hist], width=width, label=f"{_label(result)}, tau {result['tau']:.2f}")
+    ax.set_xticks(range(1, max(len(r["accept_hist"]) for r in results)))
     ax.set_xlabel("tokens committed per verify step")
     ax.set_ylabel("fraction of steps")
     ax.set_title("accepted length")
@@ -122,14 +123,22 @@ def plot_tau_and_speedup(report: Report, axes: Sequence[Axes] | None = None) -> 
         if speedups:
             speed_ax.plot(*zip(*speedups), marker="o", label=label)
     speed_ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, gid="plain-decoding")
+    all_sizes = sorted({size for points in series.values() for size, _ in points})
     for ax, name in ((tau_ax, "tau (tokens per verify step)"), (speed_ax, "speedup over plain decoding")):
         ax.set_xlabel("block size B")
         ax.set_ylabel(name)
-        ax.set_xscale("log", base=2)
+        _log2_ticks(ax, all_sizes)
         ax.legend(fontsize="small")
     tau_ax.set_title("tau per block size")
     speed_ax.set_title("decode speedup per block size")
     return tau_ax, speed_ax
+
+
+def _log2_ticks(ax: Axes, values: Sequence[int]) -> None:
+    """A base-2 log x axis labelled with the plotted values as plain integers."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(values), [str(v) for v in values])
+    ax.minorticks_off()
 
 
 def _floor_s(roofline: dict[str, Any], rows: int) -> float:
@@ -173,7 +182,7 @@ def plot_cost_curve(report: Report, ax: Axes | None = None) -> Axes:
             linestyle="none",
             label=f"draft forward (B={curve['draft_block_size']})",
         )
-    ax.set_xscale("log", base=2)
+    _log2_ticks(ax, sizes)
     ax.set_xlabel("tokens verified in one forward")
     ax.set_ylabel("ms")
     ax.set_ylim(bottom=0)
