@@ -6,8 +6,10 @@ Public API:
   prompt_lookup(block_size=...)          -> LookupDrafter (training-free prompt lookup)
   generate(target, prompts, drafter=None, tree_budget=None, ...) -> list[GenerationResult]
   SamplingParams, ModelConfig, Target, GenerationResult
+  enable_compilation_cache()             -> keep compiled programs on disk across runs
 """
 
+from dflax.checkpoints.model_files import enable_compilation_cache
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import Drafter, DraftSampling, LookupDrafter, load_drafter, prompt_lookup
 from dflax.generation import GenerationResult, PromptTooLongError, generate
@@ -26,6 +28,7 @@ __all__ = [
     "SamplingParams",
     "Target",
     "UnsupportedArchitectureError",
+    "enable_compilation_cache",
     "generate",
     "load_target",
 ]

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from dflax import projection
-from dflax.cost_curve import measure_cost_curve
+from dflax.cost_curve import COST_CURVE_SIZES, measure_cost_curve
 from dflax.decoding.sampling import SamplingParams
 from dflax.generation import encode_prompt, fit_to_context, generate_ids
 from dflax.prompts import load_prompts
@@ -217,6 +217,7 @@ def run_bench(
     tree_budgets: list[int] | None = None,
     draft_sampling: str = "greedy",
     cost_curve: bool = False,
+    cost_curve_sizes: tuple[int, ...] = COST_CURVE_SIZES,
     console=None,
 ) -> dict[str, Any]:
     """Benchmarks methods back to back on the same prompts and target.
@@ -240,6 +241,7 @@ def run_bench(
       tree_budgets: tree budgets to run for dflash and lookup (0 = a chain, the default).
       draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
+      cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
       console: optional rich console for progress.
 
     Returns:
@@ -349,6 +351,6 @@ def run_bench(
     }
     if cost_curve:
         report["cost_curve"] = measure_cost_curve(  # the drafter at its trained block size
-            loaded, spec, context=int(np.median([len(p) for p in prompt_ids]))
+            loaded, spec, context=int(np.median([len(p) for p in prompt_ids])), sizes=tuple(cost_curve_sizes)
         )
     return report

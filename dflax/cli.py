@@ -8,7 +8,14 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from dflax.checkpoints.registry import DEFAULT_TARGET
 
@@ -31,6 +38,43 @@ def _fail(message: str) -> None:
 def _check_method(method: str) -> None:
     if method not in _METHODS:
         _fail(f"unknown method {method!r}; available: {', '.join(_METHODS)}")
+
+
+class _Totals:
+    """Running totals of a generate run: the progress bar's tokens/s and tau, and the final summary line."""
+
+    def __init__(self, speculative: bool):
+        self.speculative = speculative
+        self.prompts = self.prompt_tokens = self.new_tokens = self.steps = 0
+        self.committed = 0.0
+        self.finish: dict[str, int] = {}
+        self.t0 = time.perf_counter()
+
+    def add(self, stats: dict) -> None:
+        """Counts one finished prompt."""
+        self.prompts += 1
+        self.prompt_tokens += stats["prompt_tokens"]
+        self.new_tokens += stats["new_tokens"]
+        self.steps += stats["steps"]
+        self.committed += stats["tau"] * stats["steps"]
+        self.finish[stats["finish_reason"]] = self.finish.get(stats["finish_reason"], 0) + 1
+
+    def rate(self) -> str:
+        """New tokens/s since the start (and tau for speculative decoding)."""
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        tau = f"  tau {self.committed / self.steps:.2f}" if self.speculative and self.steps else ""
+        return f"{self.new_tokens / elapsed:.1f} tok/s{tau}"
+
+    def summary(self) -> str:
+        """The final line: prompts, tokens, time, rate, tau, how the prompts ended."""
+        elapsed = time.perf_counter() - self.t0
+        tau = f", tau {self.committed / self.steps:.2f}" if self.speculative and self.steps else ""
+        ends = ", ".join(f"{n} {reason}" for reason, n in sorted(self.finish.items()))
+        return (
+            f"{self.prompts} prompts ({self.prompt_tokens} prompt tokens), {self.new_tokens} new tokens in "
+            f"{elapsed:.1f}s ({self.new_tokens / max(elapsed, 1e-9):.1f} tokens/s, compilation included{tau})"
+            + (f"; finished by {ends}" if ends else "")
+        )
 
 
 def _load_drafter(
@@ -106,14 +150,11 @@ def _read_recipe(cls, path: Path, label: str, **overrides):
 
 
 def _load(target: str, dtype: str | None):
-    import jax
-
-    from dflax.checkpoints.model_files import cache_dir
+    from dflax.checkpoints.model_files import enable_compilation_cache
     from dflax.target import load_target
 
     # Compiled decode steps persist across runs: a shape compiles once per machine, not once per command.
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    enable_compilation_cache()
 
     with console.status(f"loading {target} ..."):
         t0 = time.perf_counter()
@@ -161,22 +202,43 @@ def generate(
     top_k: int = typer.Option(0, help="top-k (0 = off)"),
     seed: int = typer.Option(0, help="sampling seed"),
     batch_size: int = typer.Option(8, help="prompts decoded together"),
+    refill_every: int = typer.Option(
+        16,
+        help="continuous batching: every N decode steps, rows that finished take the next prompts "
+        "(0 = static batches that run until their longest row ends); outputs are the same",
+    ),
     truncate: bool = typer.Option(
         False, "--truncate", help="keep the last tokens of prompts that do not fit"
     ),
     dtype: str = typer.Option(None, help="float32 (CPU default) or bfloat16"),
+    num_shards: int = typer.Option(
+        1, help="split --prompts into K shards by id (one process per shard, each with its own --out)"
+    ),
+    shard_index: int = typer.Option(0, help="which shard this process generates (0 .. K-1)"),
 ) -> None:
     """Generate completions for prompts given as arguments or in a JSONL file."""
     from dflax.generation import generate as run_generate
-    from dflax.prompts import PromptRecord, completed_ids, read_prompt_file, result_key, result_line, row_seed
+    from dflax.prompts import (
+        PromptRecord,
+        completed_ids,
+        read_prompt_file,
+        result_key,
+        result_line,
+        row_seed,
+        select_shard,
+    )
 
     _check_method(method)
     if max_new_tokens < 1:
         _fail(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
     if batch_size < 1:
         _fail(f"--batch-size must be a positive integer, got {batch_size}")
+    if refill_every < 0:
+        _fail(f"--refill-every must be >= 0 (0 = static batches), got {refill_every}")
     if bool(prompts) == bool(prompts_file):
         _fail("give prompts as arguments or with --prompts FILE.jsonl (exactly one of the two)")
+    if (num_shards, shard_index) != (1, 0) and not prompts_file:
+        _fail("--num-shards/--shard-index split a --prompts file; give one")
     bad = []
     if prompts_file:
         if not prompts_file.is_file():
@@ -184,6 +246,12 @@ def generate(
         records, bad = read_prompt_file(prompts_file)
         for line in bad:
             console.print(f"[yellow]skipping {prompts_file}:{line}[/]")
+        try:
+            records = select_shard(records, num_shards, shard_index)
+        except ValueError as e:
+            _fail(str(e))
+        if num_shards > 1:
+            console.print(f"shard {shard_index} of {num_shards}: {len(records)} prompts")
     else:
         records = [
             PromptRecord(i, [{"role": "user", "content": p}] if chat else p) for i, p in enumerate(prompts)
@@ -210,18 +278,20 @@ def generate(
         sink = out.open("a", encoding="utf-8")
         if needs_newline:  # a torn line from an interrupted run stays alone on its line
             sink.write("\n")
-    totals = {"new_tokens": 0, "steps": 0, "committed": 0.0}
+    totals = _Totals(speculative=spec_drafter is not None)
     progress = Progress(
         TextColumn("generating"),
         BarColumn(),
         MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=console,
         disable=not prompts_file,
     )
     try:
         with progress:
-            task = progress.add_task("generate", total=len(todo))
+            task = progress.add_task("generate", total=len(todo), rate="compiling ...")
 
             def on_result(i, result):
                 record = todo[i]
@@ -232,12 +302,9 @@ def generate(
                     print(
                         result.text if len(todo) == 1 else json.dumps({"id": record.id, "text": result.text})
                     )
-                totals["new_tokens"] += result.stats["new_tokens"]
-                totals["steps"] += result.stats["steps"]
-                totals["committed"] += result.stats["tau"] * result.stats["steps"]
-                progress.advance(task)
+                totals.add(result.stats)
+                progress.update(task, advance=1, rate=totals.rate())
 
-            t0 = time.perf_counter()
             run_generate(
                 loaded,
                 [r.prompt for r in todo],
@@ -250,18 +317,14 @@ def generate(
                 row_seeds=[row_seed(seed, r.id) for r in todo],
                 on_result=on_result,
                 drafter=spec_drafter,
+                refill_every=refill_every or None,
             )
-            elapsed = time.perf_counter() - t0
     except ValueError as e:
         _fail(str(e))
     finally:
         if sink:
             sink.close()
-    tau = f", tau {totals['committed'] / totals['steps']:.2f}" if spec_drafter and totals["steps"] else ""
-    console.print(
-        f"{len(todo)} prompts, {totals['new_tokens']} new tokens in {elapsed:.1f}s "
-        f"({totals['new_tokens'] / max(elapsed, 1e-9):.1f} tokens/s, compilation included{tau})"
-    )
+    console.print(totals.summary())
     if bad:
         console.print(
             f"[bold red]error:[/] {len(bad)} malformed line(s) in {prompts_file} were skipped: "
@@ -301,6 +364,9 @@ def bench(
     ),
     seed: int = typer.Option(0, help="sampling seed"),
     json_out: Path = typer.Option(None, "--json", help="write the results as JSON"),
+    plot: Path = typer.Option(
+        None, "--plot", help="draw accepted lengths, tau/speedup per block size and the cost curve (PNG)"
+    ),
 ) -> None:
     """Measure decode tokens/s of methods on one prompt set, back to back in one run."""
     from dflax.bench import BENCH_METHODS, run_bench
@@ -315,6 +381,11 @@ def bench(
         _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
     if any(b < 1 for b in batch_sizes):
         _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
+    if plot and not {"dflash", "lookup"} & set(methods) and not cost_curve:
+        _fail(
+            "--plot draws speculative results and the cost curve: add --method ...,dflash (or lookup) or "
+            "--cost-curve"
+        )
     block_sizes = [_block_size_value(b.strip()) for b in block_size.split(",")] if block_size else None
     tree_budgets = None
     if tree_budget:
@@ -347,6 +418,16 @@ def bench(
     if json_out:
         json_out.write_text(text + "\n")
     print(text)
+    if plot:
+        from dflax.plots import bench_figure
+
+        try:
+            figure = bench_figure(json.loads(text))  # as read back from --json: the same keys
+        except ValueError as e:
+            _fail(f"--plot: {e}")
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(plot, dpi=120)
+        console.print(f"plot written to {plot}")
 
 
 @app.command("make-data")

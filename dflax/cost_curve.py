@@ -92,14 +92,26 @@ def draft_time(target: Target, drafter, rows: int, context: int, slots: int, rep
     return median_time(draft, drafter.params, target.params, state, keys, reps=reps)
 
 
-def measure_cost_curve(target: Target, drafter=None, context: int = 256, reps: int = 15) -> dict[str, Any]:
-    """Median time of one target forward over n new tokens after `context` cached ones, n = 1..32 (batch 1).
+def measure_cost_curve(
+    target: Target,
+    drafter=None,
+    context: int = 256,
+    reps: int = 15,
+    sizes: Sequence[int] = COST_CURVE_SIZES,
+) -> dict[str, Any]:
+    """Median time of one target forward over n new tokens after `context` cached ones, for n in `sizes`
+    (batch 1).
 
     This curve bounds every speedup here: speedup <= tau * t(1) / (t(verify of the block) + t(draft)).
     With a drafter, also the median time of one draft forward (its block size).
+
+    Raises:
+      ValueError: when `sizes` lacks 1 (every time is also reported relative to a 1-token forward).
     """
-    slots = context + max(COST_CURVE_SIZES) + _SLOT_MARGIN
-    verify_s = verify_times(target, COST_CURVE_SIZES, 1, context, slots, reps)
+    if 1 not in sizes or min(sizes) < 1:
+        raise ValueError(f"cost curve sizes must be positive and include 1, got {tuple(sizes)}")
+    slots = context + max(sizes) + _SLOT_MARGIN
+    verify_s = verify_times(target, sizes, 1, context, slots, reps)
     out = {
         "context": context,
         "verify_s": verify_s,

@@ -72,6 +72,20 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def prompt_bucket(longest: int) -> int:
+    """The static prompt length P for prompts of at most `longest` tokens (a power of two, >= 16)."""
+    return max(_MIN_PROMPT_BUCKET, _next_pow2(longest))
+
+
+def cache_slots(bucket_p: int, max_new_tokens: int, proposer: Proposer | None) -> int:
+    """Cache slots S for a prompt bucket and budget.
+
+    Headroom: a verify step writes n + 1 slots past the committed length. Slots follow the prompt bucket
+    (one decode compile per bucket); empty slots cost nothing to the attention on any backend.
+    """
+    return _round_up(bucket_p + max_new_tokens + (proposer.num_draft if proposer else 0) + 1, 64)
+
+
 def packed_bucket(tokens: int, rows: int, length: int) -> int | None:
     """The static pack size for `tokens` real prompt tokens of a [rows, length] bucket, or None when packing
     would not save work. Sizes are multiples of an eighth of the next power of two (at least 16): at most
@@ -110,7 +124,7 @@ def fit_to_context(
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _compiled(target: Target, proposer: Proposer | None) -> tuple[Callable, Callable]:
+def compiled_programs(target: Target, proposer: Proposer | None) -> tuple[Callable, Callable]:
     """Jitted prefill and decode loop of a target and drafter (jit keeps one executable per shape)."""
     per_target = _COMPILED.setdefault(target, {})
     if proposer not in per_target:
@@ -154,13 +168,10 @@ def generate_ids(
     """
     n = len(prompt_ids)
     bucket_b = min(batch_size, _next_pow2(n))
-    longest = max(len(ids) for ids in prompt_ids)
-    bucket_p = max(_MIN_PROMPT_BUCKET, _next_pow2(longest))
+    bucket_p = prompt_bucket(max(len(ids) for ids in prompt_ids))
     proposer = drafter.proposer if drafter else None
     drafter_params = drafter.params if drafter else None
-    # Headroom: a verify step writes n + 1 slots past the committed length. Slots follow the prompt
-    # bucket (one decode compile per bucket); empty slots cost nothing to the attention on any backend.
-    slots = _round_up(bucket_p + max_new_tokens + (proposer.num_draft if proposer else 0) + 1, 64)
+    slots = cache_slots(bucket_p, max_new_tokens, proposer)
 
     tokens = np.zeros((bucket_b, bucket_p), np.int32)
     lens = np.ones((bucket_b,), np.int32)
@@ -174,7 +185,7 @@ def generate_ids(
     cache = KVCache.init(target.config, bucket_b, slots, target.cache_dtype)
     eos = jnp.asarray(target.eos_ids, jnp.int32)
 
-    prefill_fn, decode_fn = _compiled(target, proposer)
+    prefill_fn, decode_fn = compiled_programs(target, proposer)
     t0 = time.perf_counter()
     state = prefill_fn(
         target.params,
@@ -199,24 +210,54 @@ def generate_ids(
     num = np.asarray(state.num_generated)
     steps = np.asarray(state.steps)
     hist = np.asarray(state.accept_hist)
-    eos_set = set(target.eos_ids)
-    results = []
-    for r in range(n):
-        ids = out_tokens[r, : num[r]].tolist()
-        committed_by_steps = int((hist[r] * np.arange(hist.shape[1])).sum())
-        stats = {
-            "prompt_tokens": int(lens[r]),
-            "new_tokens": len(ids),
-            "steps": int(steps[r]),
-            "tau": committed_by_steps / steps[r] if steps[r] else 1.0,
-            "accept_hist": hist[r].tolist(),
-            "finish_reason": "eos" if ids and ids[-1] in eos_set else "length",
-            "prefill_s": t1 - t0,
-            "decode_s": t2 - t1,
-            "batch_size": n,
-        }
-        results.append(GenerationResult(target.tokenizer.decode(ids), ids, stats))
-    return results
+    return [
+        result_of_row(
+            target,
+            out_tokens[r, : num[r]].tolist(),
+            int(lens[r]),
+            int(steps[r]),
+            hist[r],
+            t1 - t0,
+            t2 - t1,
+            n,
+        )
+        for r in range(n)
+    ]
+
+
+def result_of_row(
+    target: Target,
+    ids: list[int],
+    prompt_tokens: int,
+    steps: int,
+    hist: np.ndarray,
+    prefill_s: float,
+    decode_s: float,
+    batch_size: int,
+) -> GenerationResult:
+    """One prompt's result from its row of the final decode state.
+
+    Args:
+      target: the target (tokenizer and EOS ids).
+      ids: the row's generated tokens.
+      prompt_tokens: its prompt length.
+      steps: verify steps the row took.
+      hist: [n + 2] its histogram of tokens committed per step.
+      prefill_s, decode_s, batch_size: timing and batch of the run the row was part of.
+    """
+    committed_by_steps = int((hist * np.arange(hist.shape[0])).sum())
+    stats = {
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": len(ids),
+        "steps": steps,
+        "tau": committed_by_steps / steps if steps else 1.0,
+        "accept_hist": hist.tolist(),
+        "finish_reason": "eos" if ids and ids[-1] in set(target.eos_ids) else "length",
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "batch_size": batch_size,
+    }
+    return GenerationResult(target.tokenizer.decode(ids), ids, stats)
 
 
 def generate(
@@ -234,6 +275,7 @@ def generate(
     on_result: Callable[[int, GenerationResult], None] | None = None,
     drafter: Drafter | LookupDrafter | None = None,
     tree_budget: int | None = None,
+    refill_every: int | None = None,
 ) -> list[GenerationResult]:
     """Generates a completion for every prompt, plainly or speculatively (lossless either way).
 
@@ -254,6 +296,9 @@ def generate(
       tree_budget: N > 0 verifies a tree of N nodes each step (DFlash: best first over its block; prompt
         lookup: the continuations of several occurrences) and 0 a chain; None keeps the drafter's own
         setting (a chain unless set).
+      refill_every: None runs static batches (each until its longest row ends); k > 0 batches
+        continuously: every k decode steps finished rows are refilled with waiting prompts
+        (`dflax.continuous_batching`; on_result is then called in finishing order). Outputs are the same.
 
     Returns:
       One GenerationResult per prompt, in order.
@@ -267,6 +312,8 @@ def generate(
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+    if refill_every is not None and refill_every < 1:
+        raise ValueError(f"refill_every must be a positive number of steps (or None), got {refill_every}")
     sampling = SamplingParams.make(temperature, top_k, top_p)
     if tree_budget is not None:
         if drafter is None:
@@ -283,6 +330,20 @@ def generate(
         fit_to_context(encode_prompt(target, p), max_new_tokens, context, truncate, f"#{i}")
         for i, p in enumerate(prompts)
     ]
+    if refill_every is not None and encoded:
+        from dflax.continuous_batching import generate_continuous
+
+        return generate_continuous(
+            target,
+            encoded,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            row_seeds=seeds,
+            batch_size=batch_size,
+            refill_every=refill_every,
+            drafter=drafter,
+            on_result=on_result,
+        )
     results: list[GenerationResult] = []
     for start in range(0, len(encoded), batch_size):
         chunk = range(start, min(start + batch_size, len(encoded)))

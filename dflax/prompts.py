@@ -134,6 +134,30 @@ def row_seed(seed: int, rid: Any) -> int:
     return zlib.crc32(f"{seed}:{result_key(rid)}".encode()) & 0x7FFFFFFF
 
 
+def shard_of(rid: Any, num_shards: int) -> int:
+    """The shard (0 .. num_shards - 1) a prompt belongs to, from its id alone.
+
+    A prompt's shard does not depend on its line or on the other prompts, so appending to a prompt file
+    never moves a prompt between shards, and each shard's results file resumes on its own.
+    """
+    return zlib.crc32(f"shard:{result_key(rid)}".encode()) % num_shards
+
+
+def select_shard(records: list[PromptRecord], num_shards: int, shard_index: int) -> list[PromptRecord]:
+    """The records of one shard (file order kept); the shards of 0 .. num_shards - 1 partition `records`.
+
+    Raises:
+      ValueError: for num_shards < 1 or a shard_index outside [0, num_shards).
+    """
+    if num_shards < 1:
+        raise ValueError(f"--num-shards must be a positive integer, got {num_shards}")
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(
+            f"--shard-index must be in 0..{num_shards - 1} for --num-shards {num_shards}, got {shard_index}"
+        )
+    return [r for r in records if shard_of(r.id, num_shards) == shard_index]
+
+
 def completed_ids(out_path: str | Path) -> set[str]:
     """Keys of the ids already in a results file (a torn last line from a crash is ignored)."""
     path = Path(out_path)

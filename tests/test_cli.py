@@ -161,6 +161,13 @@ def test_dflash_reports_tau_and_matches_plain_decoding(target_dir):
     assert plain.stdout.strip() and spec.stdout == plain.stdout  # the same text
 
 
+def test_bench_plot_needs_something_to_draw(target_dir, tmp_path):
+    args = ["bench", "--target", str(target_dir), "--method", "ar", "--plot", str(tmp_path / "b.png")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert "add --method ...,dflash or --cost-curve" in " ".join(result.output.split())
+
+
 def test_dflash_without_a_shipped_drafter(target_dir):
     result = run(target_dir, "--method", "dflash", "w5")
     assert result.exit_code == 2
@@ -173,8 +180,9 @@ def test_bench_runs_several_block_sizes_in_one_run(tmp_path, target_dir):
     write_jsonl(prompts, PROMPTS[:2])
     args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "ar,dflash"]
     args += ["--drafter", "untrained", "--block-size", "2,4", "--max-new-tokens", "5", "--json", str(report)]
-    result = runner.invoke(app, args)
+    result = runner.invoke(app, [*args, "--plot", str(tmp_path / "bench.png")])
     assert result.exit_code == 0, result.output
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(report.read_text())
     assert data["block_sizes"] == [2, 4] and data["n_prompts"] == 2
     by_method = {r["method"]: r for r in data["results"]}
@@ -225,3 +233,48 @@ def test_bench_runs_lookup_at_several_tree_budgets(tmp_path, target_dir):
     for r in by_method.values():
         assert r["lossless_match"] == 1.0 and r["new_tokens"] > 0
     assert len(by_method["lookup-t6"]["accept_hist"]) == 6 + 2  # tokens committed per step: 0 .. N + 1
+
+
+def test_three_shards_union_equals_unsharded_run(tmp_path, target_dir):
+    """K=3 shards, each in its own process-like run and file: every id lands in exactly one shard, and the
+    union of the shard files is the unsharded output (at T > 0: seeds follow ids, not shards)."""
+    prompts = tmp_path / "p.jsonl"
+    rows = PROMPTS + [{"id": f"x{i}", "prompt": f"w{50 + i} w{60 + i}"} for i in range(7)]
+    write_jsonl(prompts, rows)
+    sampling = ["--temperature", "1.0", "--seed", "3", "--batch-size", "2"]
+    whole = tmp_path / "whole.jsonl"
+    assert run(target_dir, "--prompts", str(prompts), "--out", str(whole), *sampling).exit_code == 0
+    lines = []
+    for i in range(3):
+        out = tmp_path / f"shard{i}.jsonl"
+        args = ["--prompts", str(prompts), "--out", str(out), "--num-shards", "3", "--shard-index", str(i)]
+        result = run(target_dir, *args, *sampling)
+        assert result.exit_code == 0, result.output
+        lines += [json.loads(x) for x in out.read_text().splitlines()]
+        assert 0 < len(out.read_text().splitlines()) < len(rows)  # 12 ids do not all hash to one shard
+    ids = [json.dumps(r["id"]) for r in lines]
+    assert sorted(ids) == sorted(json.dumps(r["id"]) for r in rows)  # every id exactly once
+    expected = {k: r["tokens"] for k, r in read_results(whole).items()}
+    assert {json.dumps(r["id"]): r["tokens"] for r in lines} == expected
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--num-shards", "3", "--shard-index", "3"], "--shard-index must be in 0..2"),
+        (["--num-shards", "0"], "--num-shards must be a positive integer"),
+    ],
+)
+def test_bad_shard_arguments(tmp_path, target_dir, args, message):
+    prompts = tmp_path / "p.jsonl"
+    write_jsonl(prompts, PROMPTS)
+    result = run(target_dir, "--prompts", str(prompts), *args)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_cost_curve_sizes_must_include_one_token():
+    from dflax.bench import measure_cost_curve
+
+    with pytest.raises(ValueError, match="include 1"):
+        measure_cost_curve(None, sizes=(2, 4))

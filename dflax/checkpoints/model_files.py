@@ -17,6 +17,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLAX_CACHE") or Path.home() / ".cache" / "dflax")
 
 
+def enable_compilation_cache() -> Path:
+    """Keeps XLA's compiled programs under `cache_dir()/xla`, so a shape compiles once per machine.
+
+    The CLI does this for every command; notebooks and scripts call it once before generating.
+
+    Returns:
+      The compilation cache directory.
+    """
+    import jax
+
+    path = cache_dir() / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return path
+
+
 def source_hash(*modules: str) -> str:
     """A short sha256 of the named modules' source files, for cache keys of what that code converts.
 

@@ -253,6 +253,21 @@ def test_overfits_own_generations_and_tau_rises(overfit):
     assert val_log[-1]["val_tau"] > 1.5
 
 
+def test_training_curves_plot_the_validation_records_of_metrics_jsonl(overfit):
+    from dflax.plots import plot_training, read_metrics
+
+    metrics = read_metrics(overfit.drafter_dir.parent / "metrics.jsonl")
+    val = [m for m in metrics if "val_tau" in m]
+    assert [m["step"] for m in val] == [150, 300]
+    acc_ax, tau_ax = plot_training(metrics, positions=3)
+    assert len(acc_ax.lines) == 3  # draft positions 1..3
+    for k, line in enumerate(acc_ax.lines):
+        assert list(line.get_xdata()) == [150, 300]
+        np.testing.assert_allclose(line.get_ydata(), [m["val_accept"][k] for m in val])
+    (tau_line,) = tau_ax.lines
+    np.testing.assert_allclose(tau_line.get_ydata(), [m["val_tau"] for m in val])
+
+
 def test_exported_drafter_decodes_losslessly(target, prompts, overfit):
     drafter = load_drafter(overfit.drafter_dir, target)
     assert drafter.config.block_size == 8

@@ -1,0 +1,221 @@
+"""Continuous batching: rows that finish are refilled from the queue, so a batch stays full.
+
+A static batch runs until its longest row ends, so with ragged outputs most rows idle. Here the batch
+decodes in chunks of at most `refill_every` steps (one jitted `lax.while_loop` each). After a chunk the
+finished rows are handed out and refilled: the waiting prompts are prefilled into a fresh state of the
+same static shape, and its rows are merged into the running state (`where` over every per-row buffer,
+the KV cache and the drafter's state included), so the cache slots of a finished row are reused.
+
+A row's output depends only on its prompt and seed: every per-row computation of the decode loop reads
+only that row (its cache up to its own length, its own key folded with its own token count), whatever
+the other rows hold or when the row joined. The shapes are fixed for the whole run (batch, cache slots);
+prefill compiles once per prompt bucket and pack size, and the decode chunk once.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflax.decoding.cache import KVCache
+from dflax.decoding.decode import DecodeState, Proposer, decode_step
+from dflax.decoding.sampling import SamplingParams
+from dflax.generation import (
+    GenerationResult,
+    cache_slots,
+    compiled_programs,
+    packed_bucket,
+    prompt_bucket,
+    result_of_row,
+)
+from dflax.models.transformer import Transformer
+from dflax.target import Target
+
+if TYPE_CHECKING:
+    from dflax.drafters import Drafter
+
+
+def decode_chunk(
+    model: Transformer,
+    params: dict,
+    state: DecodeState,
+    sampling: SamplingParams,
+    drafter_params,
+    max_steps: jax.Array,
+    proposer: Proposer | None = None,
+) -> DecodeState:
+    """At most `max_steps` decode steps: fewer when every row is done first.
+
+    Args:
+      model, params, state, sampling, drafter_params, proposer: as for `decode_loop`.
+      max_steps: [] int32, traced (changing it does not recompile).
+
+    Returns:
+      The state after the chunk.
+    """
+
+    def cond(carry):
+        s, i = carry
+        return jnp.any(~s.done) & (i < max_steps)
+
+    def body(carry):
+        s, i = carry
+        return decode_step(model, params, s, sampling, drafter_params, proposer), i + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))[0]
+
+
+def merge_rows(running: DecodeState, fresh: DecodeState, take: jax.Array) -> DecodeState:
+    """The running state with rows where `take` [B] is set replaced by the fresh state's rows.
+
+    Every leaf but `eos_ids` has the batch first: the cache and drafter-state buffers [B, S, ...], the
+    per-row counters, tokens and keys.
+    """
+
+    def pick(new, old):
+        if old.shape[:1] != take.shape:
+            raise ValueError(
+                f"continuous batching needs every decode-state buffer batch-first ({take.shape[0]} rows); "
+                f"one has shape {old.shape}: give the proposer's state a leading batch axis"
+            )
+        mask = take.reshape((-1,) + (1,) * (old.ndim - 1))
+        if jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
+            data = jnp.where(mask[..., None], jax.random.key_data(new), jax.random.key_data(old))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
+        return jnp.where(mask, new, old)
+
+    merged = jax.tree.map(pick, fresh.replace(eos_ids=None), running.replace(eos_ids=None))
+    return merged.replace(eos_ids=running.eos_ids)
+
+
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _programs(target: Target, proposer: Proposer | None) -> tuple[Callable, Callable]:
+    """The jitted decode chunk and row merge of a target and drafter (the running state donated)."""
+    per_target = _PROGRAMS.setdefault(target, {})
+    if proposer not in per_target:
+        chunk = jax.jit(
+            functools.partial(decode_chunk, target.module, proposer=proposer), donate_argnames=("state",)
+        )
+        merge = jax.jit(merge_rows, donate_argnames=("running",))
+        per_target[proposer] = (chunk, merge)
+    return per_target[proposer]
+
+
+def generate_continuous(
+    target: Target,
+    prompt_ids: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    row_seeds: Sequence[int],
+    batch_size: int,
+    refill_every: int,
+    drafter: Drafter | None = None,
+    on_result: Callable[[int, GenerationResult], None] | None = None,
+) -> list[GenerationResult]:
+    """Generates for already-encoded prompts with continuous batching (see the module docstring).
+
+    Args:
+      target: the loaded target.
+      prompt_ids: token ids of each prompt, each fitting the context with max_new_tokens.
+      max_new_tokens: budget per prompt.
+      sampling: target sampling settings.
+      row_seeds: one PRNG seed per prompt.
+      batch_size: rows decoded together (static).
+      refill_every: decode steps between refills (> 0).
+      drafter: a speculative drafter (None = plain decoding).
+      on_result: called with (prompt index, result) as each prompt finishes, in finishing order.
+
+    Returns:
+      One result per prompt, in prompt order. Each result's `prefill_s` is its refill's prefill time and
+      `decode_s` the wall time from then to its end (other rows' refills included).
+    """
+    n = len(prompt_ids)
+    rows = min(batch_size, 1 << max(0, (n - 1).bit_length()))  # as static batches: a power of two
+    proposer = drafter.proposer if drafter else None
+    drafter_params = drafter.params if drafter else None
+    slots = cache_slots(prompt_bucket(max(len(ids) for ids in prompt_ids)), max_new_tokens, proposer)
+    prefill_fn, _ = compiled_programs(target, proposer)
+    chunk_fn, merge_fn = _programs(target, proposer)
+    eos = jnp.asarray(target.eos_ids, jnp.int32)
+    steps_per_chunk = jnp.asarray(refill_every, jnp.int32)
+
+    def prefill_rows(joining: dict[int, int]) -> DecodeState:
+        """A fresh state whose rows in `joining` ({row: prompt index}) hold those prompts, prefilled; the
+        other rows are one-token stand-ins with no budget (done at once, never merged)."""
+        bucket_p = prompt_bucket(max(len(prompt_ids[i]) for i in joining.values()))
+        tokens = np.zeros((rows, bucket_p), np.int32)
+        lens = np.ones((rows,), np.int32)
+        budgets = np.zeros((rows,), np.int32)
+        seeds = np.zeros((rows,), np.uint32)
+        for r, i in joining.items():
+            tokens[r, : len(prompt_ids[i])] = prompt_ids[i]
+            lens[r], budgets[r], seeds[r] = len(prompt_ids[i]), max_new_tokens, row_seeds[i]
+        return prefill_fn(
+            target.params,
+            jnp.asarray(tokens),
+            jnp.asarray(lens),
+            KVCache.init(target.config, rows, slots, target.cache_dtype),
+            jnp.asarray(budgets),
+            jax.vmap(jax.random.key)(jnp.asarray(seeds)),
+            eos,
+            sampling,
+            drafter_params,
+            max_tokens=max_new_tokens,
+            packed_tokens=packed_bucket(int(lens.sum()), rows, bucket_p),
+        )
+
+    queue = collections.deque(range(n))
+    owner: list[int | None] = [None] * rows  # the prompt each row decodes
+    started: dict[int, tuple[float, float]] = {}  # prompt -> (prefill_s, decode start)
+    results: list[GenerationResult | None] = [None] * n
+    state = None
+    while queue or any(o is not None for o in owner):
+        free = [r for r in range(rows) if owner[r] is None]
+        if free and queue:
+            joining = {r: queue.popleft() for r in free[: len(queue)]}
+            t0 = time.perf_counter()
+            fresh = prefill_rows(joining)
+            take = np.zeros((rows,), bool)
+            take[list(joining)] = True
+            state = fresh if state is None else merge_fn(state, fresh, jnp.asarray(take))
+            jax.block_until_ready(state)
+            t1 = time.perf_counter()
+            for r, i in joining.items():
+                owner[r] = i
+                started[i] = (t1 - t0, t1)
+        state = chunk_fn(target.params, state, sampling, drafter_params, steps_per_chunk)
+        done, num, steps, hist = jax.device_get(
+            (state.done, state.num_generated, state.steps, state.accept_hist)
+        )
+        finished = [r for r in range(rows) if owner[r] is not None and done[r]]
+        if not finished:
+            continue
+        tokens = np.asarray(state.tokens)
+        now = time.perf_counter()
+        for r in finished:
+            i, owner[r] = owner[r], None
+            prefill_s, start = started.pop(i)
+            results[i] = result_of_row(
+                target,
+                tokens[r, : num[r]].tolist(),
+                len(prompt_ids[i]),
+                int(steps[r]),
+                hist[r],
+                prefill_s,
+                now - start,
+                rows,
+            )
+            if on_result is not None:
+                on_result(i, results[i])
+    return results
