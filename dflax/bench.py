@@ -350,7 +350,12 @@ def run_bench(
         "results": results,
     }
     if cost_curve:
-        report["cost_curve"] = measure_cost_curve(  # the drafter at its trained block size
-            loaded, spec, context=int(np.median([len(p) for p in prompt_ids])), sizes=tuple(cost_curve_sizes)
+        fixed = [b for b in sizes or [] if b != AUTO]  # the draft is timed at the last block size run
+        curve_drafter = spec.with_block_size(fixed[-1]) if spec is not None and fixed else spec
+        report["cost_curve"] = measure_cost_curve(
+            loaded,
+            curve_drafter,
+            context=int(np.median([len(p) for p in prompt_ids])),
+            sizes=tuple(cost_curve_sizes),
         )
     return report

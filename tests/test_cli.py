@@ -165,7 +165,7 @@ def test_bench_plot_needs_something_to_draw(target_dir, tmp_path):
     args = ["bench", "--target", str(target_dir), "--method", "ar", "--plot", str(tmp_path / "b.png")]
     result = runner.invoke(app, args)
     assert result.exit_code == 2
-    assert "add --method ...,dflash or --cost-curve" in " ".join(result.output.split())
+    assert "add --method ...,dflash (or lookup) or --cost-curve" in " ".join(result.output.split())
 
 
 def test_dflash_without_a_shipped_drafter(target_dir):
