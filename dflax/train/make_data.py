@@ -45,7 +45,7 @@ from dflax.train.sharegpt import SPLITS, load_sharegpt
 PROMPT_SOURCES = ("sharegpt", "stdlib")
 
 # Settings that do not change the generated sequences, so a rerun may change them freely.
-_RUN_ONLY = ("batch_size",)
+_RUN_ONLY = ("batch_size", "refill_every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,8 @@ class DataConfig:
       temperature, top_p, top_k: the target's sampling settings (SmolLM2 recommends 0.2 / 0.9).
       shard_size: sequences per shard file (the unit of resume).
       batch_size: prompts decoded together (does not change the output).
+      refill_every: decode steps between refills of finished rows (continuous batching; 0 = static
+        batches); does not change the output.
       seed: shuffles the prompts and seeds each prompt's sampling.
       sources: prompt sets, from "sharegpt" (chat) and "stdlib" (code completion), shuffled together.
     """
@@ -75,6 +77,7 @@ class DataConfig:
     batch_size: int = 8
     seed: int = 0
     sources: tuple[str, ...] = ("sharegpt",)
+    refill_every: int = 16
 
     def __post_init__(self):
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -88,6 +91,8 @@ class DataConfig:
         for name in ("max_prompt_tokens", "max_new_tokens", "shard_size", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.refill_every < 0:
+            raise ValueError(f"refill_every must be >= 0 (0 = static batches), got {self.refill_every}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -324,6 +329,7 @@ def _answer(
         batch_size=config.batch_size,
         row_seeds=[row_seed(config.seed, shard[i][0].id) for i in order],
         on_result=on_result,
+        refill_every=config.refill_every or None,
     )
     sequences: list = [None] * len(shard)
     for i, result in zip(order, results):
