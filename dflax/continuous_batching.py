@@ -9,7 +9,7 @@ the KV cache and the drafter's state included), so the cache slots of a finished
 A row's output depends only on its prompt and seed: every per-row computation of the decode loop reads
 only that row (its cache up to its own length, its own key folded with its own token count), whatever
 the other rows hold or when the row joined. The shapes are fixed for the whole run (batch, cache slots);
-prefill compiles once per prompt bucket and pack size, and the decode chunk once.
+prefill compiles once per prompt bucket and power-of-two pack size, and the decode chunk once.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from dflax.generation import (
     GenerationResult,
     cache_slots,
     compiled_programs,
-    packed_bucket,
     prompt_bucket,
     result_of_row,
 )
@@ -94,6 +93,14 @@ def merge_rows(running: DecodeState, fresh: DecodeState, take: jax.Array) -> Dec
 
     merged = jax.tree.map(pick, fresh.replace(eos_ids=None), running.replace(eos_ids=None))
     return merged.replace(eos_ids=running.eos_ids)
+
+
+def refill_pack_size(tokens: int, rows: int, length: int) -> int | None:
+    """The static pack size of a refill's prefill: the next power of two (at least 16), or None when
+    packing would not save work. Refills prefill a varying few rows at a time, so their token counts
+    spread widely; one size per octave keeps the number of prefill compiles small."""
+    size = max(16, 1 << (tokens - 1).bit_length())
+    return size if size < rows * length else None
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -172,7 +179,7 @@ def generate_continuous(
             sampling,
             drafter_params,
             max_tokens=max_new_tokens,
-            packed_tokens=packed_bucket(int(lens.sum()), rows, bucket_p),
+            packed_tokens=refill_pack_size(int(lens.sum()), rows, bucket_p),
         )
 
     queue = collections.deque(range(n))

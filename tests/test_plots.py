@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from dflax import plots
-from dflax.bench import COST_CURVE_SIZES, run_bench
+from dflax.bench import run_bench
+
+COST_SIZES = (1, 2, 4)
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +26,15 @@ def report(tiny_checkpoint, tmp_path_factory):
         prompts=str(prompts),
         target=str(tiny_checkpoint("llama")[0]),
         methods=["ar", "dflash"],
-        limit=3,
-        max_new_tokens=6,
+        limit=2,
+        max_new_tokens=4,
         temperature=0.0,
         batch_size=[1, 2],
         seed=0,
         drafter="untrained",
         block_sizes=[2, 4],
         cost_curve=True,
+        cost_curve_sizes=COST_SIZES,
     )
     return json.loads(json.dumps(result))
 
@@ -84,12 +87,12 @@ def test_cost_curve_plots_the_measured_verify_times_against_the_roofline_floor(r
     ax = plots.plot_cost_curve(report)
     verify, floor, draft = ax.lines
     curve, roofline = report["cost_curve"], report["roofline"]
-    assert list(verify.get_xdata()) == list(COST_CURVE_SIZES)
+    assert list(verify.get_xdata()) == list(COST_SIZES)
     np.testing.assert_allclose(
-        verify.get_ydata(), [curve["verify_s"][str(n)] * 1e3 for n in COST_CURVE_SIZES]
+        verify.get_ydata(), [curve["verify_s"][str(n)] * 1e3 for n in COST_SIZES]
     )
     per_row = roofline["matmul_s"] / roofline["matmul_rows"]
-    expected_floor = [max(roofline["weight_pass_s"], n * per_row) * 1e3 for n in COST_CURVE_SIZES]
+    expected_floor = [max(roofline["weight_pass_s"], n * per_row) * 1e3 for n in COST_SIZES]
     np.testing.assert_allclose(floor.get_ydata(), expected_floor)
     assert list(draft.get_xdata()) == [curve["draft_block_size"]] == [4]
 
