@@ -4,6 +4,8 @@ Every forward (prefill, decode, verify, drafting) is the same operation: n new t
 prefix [0, cache_len) and to those new tokens that their mask allows (causal for prefill and chains, an
 ancestor mask for trees, all-visible for a diffusion block). The math lives in `pallas_kernels.tree_attention`
 (a jnp reference for CPU, Pallas kernels for TPU and GPU) and the backend is a setting, not a code path.
+Drafter training adds one layout (`Attention.anchored_blocks`): many blocks share one context, each seeing
+a prefix of it, the same math with a per-block cache length (`dflax.models.block_attention`).
 """
 
 from __future__ import annotations

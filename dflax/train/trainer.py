@@ -169,8 +169,7 @@ class TrainConfig:
         if self.target_layer_ids is not None:
             object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         positive = ("num_layers", "anchors_per_seq", "attention_chunk", "batch_size", "logits_chunk")
-        positive += ("epochs",)
-        positive += ("checkpoint_every", "validate_every", "log_every")
+        positive += ("epochs", "checkpoint_every", "validate_every", "log_every")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"training config: {name} must be >= 1, got {getattr(self, name)}")

@@ -484,6 +484,10 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     assert recorded == {k: v for k, v in recipe.to_dict().items() if k in recorded}
     newer = set(recipe.to_dict()) - set(recorded)
     assert newer and all(getattr(recipe, k) == getattr(TrainConfig(), k) for k in newer)
+    for block_size, gamma in ((8, 4.0), (16, 7.0)):  # the next recipes: the paper's gamma, dense anchors
+        recipe = TrainConfig.from_json(RECIPE.with_name(f"dflash-smollm2-b{block_size}.json"))
+        assert (recipe.block_size, recipe.loss_gamma, recipe.init) == (block_size, gamma, "target")
+        assert recipe.layer_kind == "target" and recipe.anchors_per_seq >= 256
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"block_size": 16, "lerning_rate": 1e-3}))
     with pytest.raises(ValueError, match="lerning_rate"):
@@ -525,6 +529,8 @@ def test_cli_trains_exports_and_resumes(target, tiny_checkpoint, sequences, tmp_
     assert again.exit_code == 0 and "at step 3 of 3" in " ".join(again.output.split())
     other = CliRunner().invoke(app, [*args, "--steps", "5"])
     assert other.exit_code == 2 and "--no-resume" in other.output
+    warm = CliRunner().invoke(app, [*args, "--init-from", str(tmp_path / "nowhere"), "--lr", "1e-3"])
+    assert warm.exit_code == 2 and "is not a drafter directory" in " ".join(warm.output.split())
 
 
 def test_feature_cache_resumes_an_interrupted_fill_and_rebuilds_for_other_data(target, tmp_path):
