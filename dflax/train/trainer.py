@@ -20,6 +20,15 @@ Per batch of sequences over the recipe's 6 epochs that is 69 s vs 45 s (S = 384)
 (S = 512): caching is 1.5-2x faster and breaks even within the first epoch. The price is disk,
 K * D * 2 bytes per real token (5.8 kB for SmolLM2: ~1.7 MB per 300-token sequence, ~30 GB for 17k).
 
+The step's cost per anchor is the block's own work (B tokens through the drafter layers, B - 1 LM-head
+rows), so anchors/s hardly moves with M; what grew with M was memory, while every anchor copied its
+context. XLA's accounting of the compiled step (SmolLM2, the shipped recipe with M changed; per-anchor
+copy -> one forward): S = 512, 4 sequences: scratch 1.2 -> 1.0 GB (M = 32), 4.5 -> 1.7 GB (M = 128),
+13.5 -> 4.8 GB (M = 384), flops per anchor 1.5 -> 1.5 G (M = 32), 1.23 -> 1.09 G (M = 384); S = 2048, one
+sequence: 7.0 -> 1.1 GB and 1.88 -> 1.40 G flops per anchor (M = 256), 13.9 -> 1.7 GB and 1.81 -> 1.21 G
+(M = 512). Wall clock on the shared CPU (median of 5 steps, loaded by other jobs): 10.5 -> 13.1 anchors/s
+(M = 32) and 12.0 -> 11.4 (M = 128), the same within the noise; 6.7 anchors/s at M = 384 after.
+
 Resuming is exact: the batch of step s is a pure function of (seed, s) (one permutation of the training
 sequences per epoch), the anchors come from the PRNG key carried in the state, and orbax checkpoints hold
 params, optimizer state, key and step. So a run interrupted (SIGTERM/SIGINT: saved at the next step
