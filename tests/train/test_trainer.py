@@ -165,7 +165,7 @@ def test_block_sees_only_context_before_its_anchor_and_no_other_block(target):
     np.testing.assert_array_equal(block_logits(proposer, params, target, features, other)[0], base[0])
 
 
-@pytest.mark.parametrize("stride", [0, 1, 3])
+@pytest.mark.parametrize("stride", [0, 1])
 def test_all_anchors_in_one_forward_equal_the_per_anchor_objective(target, stride):
     """Loss, per-position correctness and gradients of the one-forward objective equal those of one decoding
     forward per anchor (each over its own copy of the context cut at the anchor), dense anchors included."""
