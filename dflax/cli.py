@@ -465,6 +465,10 @@ def train_command(
     out: Path = typer.Option(..., "--out", help="run directory: checkpoints/, metrics.jsonl, drafter/"),
     steps: int = typer.Option(None, help="total optimizer steps (default: the recipe's steps or epochs)"),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="continue from the latest checkpoint"),
+    init_from: str = typer.Option(
+        None, help="warm start from an exported drafter, 'shipped' or a directory (sets init 'drafter')"
+    ),
+    lr: float = typer.Option(None, help="peak learning rate (default: the recipe's), e.g. for a sweep"),
 ) -> None:
     """Train a DFlash drafter on target-generated data; SIGTERM/Ctrl-C saves a checkpoint to resume from."""
 
@@ -472,6 +476,10 @@ def train_command(
     from dflax.train.trainer import TrainConfig, train
 
     overrides = {"steps": steps} if steps is not None else {}
+    if init_from is not None:
+        overrides.update(init="drafter", init_from=init_from)
+    if lr is not None:
+        overrides["lr"] = lr
     recipe = _read_recipe(TrainConfig, config, f"--config {config}", **overrides)
     try:
         train_seqs = load_sequences(data, "train")
@@ -485,7 +493,7 @@ def train_command(
     loaded = _load(recipe.target, None)
     try:
         result = train(recipe, loaded, train_seqs, val_seqs, out, resume=resume, console=console)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     if result.interrupted is not None:
         raise typer.Exit(128 + result.interrupted)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflax.checkpoints.gguf_file import read_gguf
 from dflax.checkpoints.hf_dir import read_hf_dir
@@ -48,6 +50,20 @@ class Target:
     def dtype(self) -> jnp.dtype:
         """Parameter and activation dtype."""
         return self.module.dtype
+
+
+def weights_fingerprint(target: Target) -> str:
+    """A sha256 of the target's parameters (names, dtypes, shapes and bytes): what its forward computes with.
+
+    Two loads of the same weights agree; another checkpoint, dtype or an edited tensor does not. Hashing
+    reads every parameter once (about a second for SmolLM2-135M in float32).
+    """
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
+        array = np.asarray(jax.device_get(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype}:{array.shape};".encode())
+        digest.update(np.ascontiguousarray(array).view(np.uint8).data)
+    return digest.hexdigest()
 
 
 def default_dtype() -> str:

@@ -1,10 +1,12 @@
 """DFlash drafter checkpoints in the official z-lab/dflash layout (which dflax also writes).
 
 A drafter directory holds:
-- config.json: a Qwen3-style config (hidden_size, intermediate_size, num_hidden_layers,
+- config.json: a Qwen3-style config (model_type "qwen3"; dflax also writes "llama" for drafters whose layers
+  have no q/k norms, see DRAFTER_LAYER_ARCHS) (hidden_size, intermediate_size, num_hidden_layers,
   num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_theta, vocab_size, ...) plus
   `block_size`, `num_target_layers` and `dflash_config: {"target_layer_ids": [...], "mask_token_id": id}`;
-- model.safetensors: `layers.N.self_attn.{q,k,v,o}_proj.weight`, `layers.N.self_attn.{q,k}_norm.weight`,
+- model.safetensors: `layers.N.self_attn.{q,k,v,o}_proj.weight`, `layers.N.self_attn.{q,k}_norm.weight`
+  (Qwen3-style layers only),
   `layers.N.mlp.{gate,up,down}_proj.weight`, `layers.N.{input,post_attention}_layernorm.weight`,
   `fc.weight`, `hidden_norm.weight`, `norm.weight`. The embedding and LM head are the target's and are
   not stored.
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflax.checkpoints.params import CheckpointError, map_tensors, param_shapes
-from dflax.drafters.dflash import DFlashConfig, DFlashDrafter, init_drafter_params
+from dflax.drafters.dflash import DRAFTER_LAYER_ARCHS, DFlashConfig, DFlashDrafter, init_drafter_params
 from dflax.drafters.draft_vocab import check_draft_vocab
 from dflax.models.config import ModelConfig
 
@@ -36,7 +38,7 @@ def config_to_json(config: DFlashConfig, num_target_layers: int) -> dict:
     layers = config.layers
     return {
         "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
+        "model_type": layers.arch,
         "hidden_size": layers.hidden_size,
         "intermediate_size": layers.intermediate_size,
         "num_hidden_layers": layers.num_layers,
@@ -49,7 +51,7 @@ def config_to_json(config: DFlashConfig, num_target_layers: int) -> dict:
         "max_position_embeddings": layers.max_position_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": layers.tie_word_embeddings,
         "block_size": config.block_size,
         "num_target_layers": num_target_layers,
         "dflash_config": {
@@ -66,7 +68,13 @@ def config_from_json(data: dict) -> DFlashConfig:
     layer_ids = dflash.get("target_layer_ids", data.get("target_layer_ids"))
     if layer_ids is None:
         raise CheckpointError("drafter config.json has no dflash_config.target_layer_ids")
-    layers = ModelConfig.from_hf({**data, "model_type": "qwen3", "tie_word_embeddings": True})
+    arch = data.get("model_type", "qwen3")
+    if arch not in DRAFTER_LAYER_ARCHS:
+        raise CheckpointError(
+            f"drafter config.json has model_type {arch!r}; "
+            f"DFlash drafter layers are one of {DRAFTER_LAYER_ARCHS}"
+        )
+    layers = ModelConfig.from_hf({**data, "model_type": arch})
     return DFlashConfig(
         layers=layers,
         block_size=int(data.get("block_size", dflash.get("block_size", 16))),

@@ -39,12 +39,17 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> t
     return tuple(int(1 + i * (num_target_layers - 4) / (num_features - 1) + 0.5) for i in range(num_features))
 
 
+# Decoder-layer kinds a drafter can have: Qwen3 (q/k-norm, the official layout) and Llama (no q/k-norm).
+DRAFTER_LAYER_ARCHS = ("qwen3", "llama")
+
+
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig:
     """A DFlash drafter's architecture, tied to its target's.
 
     Attributes:
-      layers: the drafter's decoder layers (Qwen3-style, q/k-norm) at the target's width, heads, FFN.
+      layers: the drafter's decoder layers at the target's width, heads, FFN: Qwen3-style (q/k-norm, the
+        official layout) or Llama-style (no q/k-norm), see DRAFTER_LAYER_ARCHS.
       block_size: B, tokens per drafted block (the anchor + B - 1 drafts) it was trained for.
       target_layer_ids: target layers whose outputs are fused (HF hidden_states[l + 1]).
       mask_token_id: a target token id used as the mask (official Qwen3 drafters); None = a learned
@@ -71,10 +76,19 @@ class DFlashConfig:
         target_layer_ids: tuple[int, ...] | None = None,
         mask_token_id: int | None = None,
         feature_norm: bool = False,
+        layer_arch: str = "qwen3",
     ) -> DFlashConfig:
-        """A drafter config at the target's width/heads/FFN (layer ids by the published spread by default)."""
+        """A drafter config at the target's width/heads/FFN (layer ids by the published spread by default).
+
+        `layer_arch` is the kind of the drafter's decoder layers: "qwen3" (q/k-norm, the official layout)
+        or "llama" (none; what a drafter copied from a Llama target's layers needs to behave as they do).
+        """
+        if layer_arch not in DRAFTER_LAYER_ARCHS:
+            raise ValueError(
+                f"drafter layers of kind {layer_arch!r} are not supported; use one of {DRAFTER_LAYER_ARCHS}"
+            )
         layers = ModelConfig(
-            arch="qwen3",
+            arch=layer_arch,
             vocab_size=target.vocab_size,
             hidden_size=target.hidden_size,
             intermediate_size=target.intermediate_size,
@@ -85,7 +99,7 @@ class DFlashConfig:
             rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta,
             rope_scaling=target.rope_scaling,
-            tie_word_embeddings=True,
+            tie_word_embeddings=False,  # the LM head is the target's; as official drafters record it
             max_position_embeddings=target.max_position_embeddings,
         )
         ids = (
@@ -178,6 +192,30 @@ class DFlashDrafter(nn.Module):
         x = block
         for i, layer in enumerate(self.layers):
             x, _, _ = layer(x, positions, context.k[i], context.v[i], context.lengths, visible)
+        return self.norm(x)
+
+    def anchored_blocks(
+        self, blocks: jax.Array, positions: jax.Array, context_k, context_v, context_len, chunk: int
+    ) -> jax.Array:
+        """Drafts M blocks per sequence in one forward, each seeing only its own context prefix (training).
+
+        The same layers and math as `__call__` with one context per sequence instead of one per block:
+        block m of row r attends to the context slots [0, context_len[r, m]) and to its own tokens, never
+        to another block (`dflax.models.block_attention`).
+
+        Args:
+          blocks: [N, M, T, D] input embeddings of [anchor, MASK x (T - 1)] per block.
+          positions: [N, M, T] absolute positions.
+          context_k, context_v: per drafter layer, [N, S, K, H] context keys/values (`context_kv`).
+          context_len: [N, M] int32, each block's anchor position.
+          chunk: blocks scored at once by the attention.
+
+        Returns:
+          [N, M, T, D] final hidden states.
+        """
+        x = blocks
+        for i, layer in enumerate(self.layers):
+            x = layer.anchored_blocks(x, positions, context_k[i], context_v[i], context_len, chunk)
         return self.norm(x)
 
     def mask_vector(self) -> jax.Array:

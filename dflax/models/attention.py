@@ -4,6 +4,8 @@ Every forward (prefill, decode, verify, drafting) is the same operation: n new t
 prefix [0, cache_len) and to those new tokens that their mask allows (causal for prefill and chains, an
 ancestor mask for trees, all-visible for a diffusion block). The math lives in `pallas_kernels.tree_attention`
 (a jnp reference for CPU, Pallas kernels for TPU and GPU) and the backend is a setting, not a code path.
+Drafter training adds one layout (`Attention.anchored_blocks`): many blocks share one context, each seeing
+a prefix of it, the same math with a per-block cache length (`dflax.models.block_attention`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dflax.decoding.cache import write_rows
+from dflax.models.block_attention import anchored_block_attention
 from dflax.models.config import RopeScaling
 from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 from dflax.models.packing import Packing
@@ -181,6 +184,49 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return apply_rope(k, positions, self._inv_freq()), v
 
+    def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys (normalized, rotated) and values of x [B, T, D]: ([B, T, N, H], [B, T, K, H] x 2)."""
+        cfg = self.cfg
+        q = self.q_proj(x).reshape(*x.shape[:2], cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+        k, v = self.project_kv(x, positions)
+        return apply_rope(q, positions, self._inv_freq()), k, v
+
+    def anchored_blocks(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        k_context: jax.Array,
+        v_context: jax.Array,
+        context_len: jax.Array,
+        chunk: int,
+    ) -> jax.Array:
+        """M blocks per row, each attending to a prefix of the row's context and to itself only (training).
+
+        Args:
+          x: [N, M, T, D] normalized hidden states of M blocks of T tokens per row.
+          positions: [N, M, T] int32 absolute positions.
+          k_context, v_context: [N, S, K, H] the row's context keys/values (shared by its blocks).
+          context_len: [N, M] int32; block m sees context slots [0, context_len[:, m]).
+          chunk: blocks scored at once (see `dflax.models.block_attention`).
+
+        Returns:
+          [N, M, T, D].
+        """
+        cfg = self.cfg
+        if cfg.sliding_window is not None:
+            raise ValueError("anchored blocks take global-attention layers; this layer has a sliding window")
+        n, m, t, _ = x.shape
+        q, k, v = self.project_qkv(x.reshape(n, m * t, -1), positions.reshape(n, m * t))
+        per_block = lambda a: a.reshape(n, m, t, *a.shape[2:])  # noqa: E731  [N, M * T, ...] -> [N, M, T, ...]
+        out = anchored_block_attention(
+            per_block(q), k_context, v_context, context_len,
+            per_block(k.astype(k_context.dtype)), per_block(v.astype(v_context.dtype)),
+            sm_scale=cfg.scale, chunk=chunk,
+        )  # fmt: skip
+        return self.o_proj(out.reshape(n, m, t, -1))
+
     def __call__(
         self,
         x: jax.Array,
@@ -216,11 +262,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t = positions.shape
         token_positions = positions if packing is None else packing.pack(positions)[None]  # [B, T] or [1, L]
-        q = self.q_proj(x).reshape(*x.shape[:2], cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
-        if cfg.qk_norm:
-            q = self.q_norm(q)
-        q = apply_rope(q, token_positions, self._inv_freq())
-        k, v = self.project_kv(x, token_positions)  # [B, T, K, H]
+        q, k, v = self.project_qkv(x, token_positions)  # [B, T, N, H], [B, T, K, H] x 2
         # The new tokens are attended at the cache's precision, as every later step will see them.
         k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
         packed_out = None

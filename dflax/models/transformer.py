@@ -108,13 +108,23 @@ class DecoderLayer(nn.Module):
             causal=causal,
             packing=packing,
         )
+        return self._residual(x, h), k_cache, v_cache
+
+    def anchored_blocks(self, x, positions, k_context, v_context, context_len, chunk: int):
+        """x [N, M, T, D] -> [N, M, T, D]: M blocks per row, each seeing a prefix of the row's context and
+        itself only (see `Attention.anchored_blocks`)."""
+        h = self.self_attn.anchored_blocks(
+            self.input_layernorm(x), positions, k_context, v_context, context_len, chunk
+        )
+        return self._residual(x, h)
+
+    def _residual(self, x, h):
+        """The layer's output from its input x and its attention output h."""
         if self.config.is_gemma:
             x = x + self.post_attention_layernorm(h)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        else:
-            x = x + h
-            x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_cache, v_cache
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):

@@ -2,10 +2,12 @@
 
 The drafter's context features (the target's hidden states after its tapped layers, concatenated) do not
 change while the drafter trains, so each sequence's are computed by one frozen target forward and read
-back every epoch (see `dflax.train.trainer` for the measurement behind this choice). Only real tokens are
-stored, back to back ([T, K * D] for T tokens in all), as uint16 bits of bf16 so the file is a plain .npy.
-A `.json` beside it records what it holds and how many sequences are done, so an interrupted fill resumes
-and a cache of other data is rebuilt.
+back every epoch (see `dflax.train.trainer` for the measurement behind this choice). The forward is the
+target's prefill (an empty cache, the sequences' real tokens packed back to back:
+`objective.target_features`), which returns exactly what is stored: only real tokens, back to back
+([T, K * D] for T tokens in all), as uint16 bits of bf16 so the file is a plain .npy. A `.json` beside it
+records what it holds (the sequences, the tapped layers and a fingerprint of the target's weights) and how
+many sequences are done, so an interrupted fill resumes and a cache of other data or weights is rebuilt.
 """
 
 from __future__ import annotations
@@ -54,12 +56,20 @@ class FeatureCache:
         return out.view(jnp.bfloat16)
 
 
-def features_key(tokens: np.ndarray, lengths: np.ndarray, target: Target, taps: tuple[int, ...]) -> str:
-    """Identifies a cache's contents: the sequences, the target, its dtype and its tapped layers."""
+def features_key(tokens: np.ndarray, lengths: np.ndarray, weights: str, taps: tuple[int, ...]) -> str:
+    """Identifies a cache's contents: the sequences, the target's weights (`weights_fingerprint`, which
+    covers their dtype) and its tapped layers."""
     digest = hashlib.sha256(np.ascontiguousarray(tokens).tobytes())
     digest.update(np.ascontiguousarray(lengths).tobytes())
-    digest.update(json.dumps([target.name, list(taps), np.dtype(target.dtype).name]).encode())
+    digest.update(json.dumps([weights, list(taps)]).encode())
     return digest.hexdigest()
+
+
+def fitting_rows(lengths: np.ndarray, start: int, rows: int, pack_tokens: int) -> int:
+    """How many sequences from `start` on one forward takes: at most `rows`, at most `pack_tokens` tokens
+    (at least one; a sequence is never longer than the pack)."""
+    total = np.cumsum(lengths[start : start + rows])
+    return max(1, int(np.searchsorted(total, pack_tokens, side="right")))
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -72,9 +82,11 @@ def cache_features(
     lengths: np.ndarray,
     *,
     target: Target,
+    weights: str,
     taps: tuple[int, ...],
     compute: Callable,
-    batch_size: int,
+    rows: int,
+    pack_tokens: int,
     progress: Progress,
     should_stop: Callable[[], bool],
 ) -> FeatureCache | None:
@@ -82,12 +94,15 @@ def cache_features(
 
     Args:
       path: the .npy file (its record is `path` with suffix .json).
-      tokens: [N, S] int32 padded sequences (features are causal: padding never reaches real tokens).
-      lengths: [N] their real lengths.
+      tokens: [N, S] int32 padded sequences.
+      lengths: [N] their real lengths (each <= pack_tokens).
       target: the target whose parameters `compute` runs.
+      weights: the fingerprint of those parameters (`dflax.target.weights_fingerprint`).
       taps: the tapped layers (K of them).
-      compute: (target_params, tokens [batch_size, S]) -> [batch_size, S, K * D] bf16 features.
-      batch_size: sequences per forward.
+      compute: (target_params, tokens [rows, S], lengths [rows]) -> [pack_tokens, K * D] bf16 features of
+        the rows' real tokens back to back (rows of length 0 are unused).
+      rows: sequences per forward (at most).
+      pack_tokens: real tokens per forward (at most).
       progress: where the fill shows its progress.
       should_stop: polled between batches; True ends the fill early (it resumes next time).
 
@@ -97,7 +112,7 @@ def cache_features(
     num_seqs = tokens.shape[0]
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     record_path = path.with_suffix(".json")
-    key = features_key(tokens, lengths, target, taps)
+    key = features_key(tokens, lengths, weights, taps)
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     shape = (int(offsets[-1]), len(taps) * target.config.hidden_size)
     if record.get("key") != key or not path.exists():
@@ -111,13 +126,14 @@ def cache_features(
         size = f"{path.name}, {np.prod(shape) * 2 / 1e9:.2f} GB"
         task = progress.add_task("caching target features", total=num_seqs, completed=done, info=size)
         while done < num_seqs and not should_stop():
-            count = min(batch_size, num_seqs - done)
-            rows = np.minimum(
-                np.arange(done, done + batch_size), num_seqs - 1
-            )  # the last batch repeats a row
-            out = np.asarray(compute(target.params, tokens[rows])).view(np.uint16)  # [batch, S, K * D]
-            real = [out[i, : lengths[done + i]] for i in range(count)]
-            features[offsets[done] : offsets[done + count]] = np.concatenate(real)
+            count = fitting_rows(lengths, done, rows, pack_tokens)
+            batch_tokens = np.zeros((rows, tokens.shape[1]), np.int32)
+            batch_lengths = np.zeros((rows,), np.int32)  # rows past `count` are unused
+            batch_tokens[:count] = tokens[done : done + count]
+            batch_lengths[:count] = lengths[done : done + count]
+            out = np.asarray(compute(target.params, batch_tokens, batch_lengths)).view(np.uint16)  # [L, KD]
+            real = int(offsets[done + count] - offsets[done])
+            features[offsets[done] : offsets[done + count]] = out[:real]
             features.flush()
             done += count
             _write_json(record_path, {"key": key, "done": done})

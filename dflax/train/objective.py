@@ -1,13 +1,16 @@
-"""The DFlash training objective (arXiv 2602.06036): random anchors, one masked block per anchor, weighted CE.
+"""The DFlash training objective (arXiv 2602.06036): many anchors, one masked block per anchor, weighted CE.
 
 For a sequence of S tokens with target features F [S, K * D], the drafter's per-layer context K/V is
-computed once (`DFlashDrafter.context_kv`). Each of M random anchors a_m inside the response starts one
-block [token a_m, MASK x n] at positions [a_m, a_m + B) that is one row of a batch; the row's context is
-the sequence's K/V with `lengths` = a_m, so block m sees the context strictly before its anchor plus its
-own block (bidirectionally) and never another block. The rows then run the very forward decoding runs
-(`DFlashProposer.draft_hidden`) and the target's frozen LM head: block position k predicts token a_m + k
-(no shift). The loss is the cross-entropy at the n = B - 1 mask positions weighted exp(-(k - 1) / gamma),
-masked where a_m + k is past the sequence end.
+computed once (`DFlashDrafter.context_kv`). Each of M anchors a_m inside the response (random distinct
+positions, or every `stride`-th one) starts one block [token a_m, MASK x n] at positions [a_m, a_m + B).
+All M blocks of a sequence run in ONE drafter forward (`DFlashDrafter.anchored_blocks`): block m sees the
+context strictly before its anchor plus its own block (bidirectionally) and never another block, the
+block-sparse mask of the paper laid out as per-block context lengths over the shared context K/V (no
+copy per block; cost linear in M, see `dflax.models.block_attention`). Its layers and math are those of
+the decoding forward (`DFlashProposer.draft_hidden`, one block per row with the context cache cut at the
+anchor), which the tests hold it equal to. The target's frozen LM head reads the blocks: block position k
+predicts token a_m + k (no shift). The loss is the cross-entropy at the n = B - 1 mask positions weighted
+exp(-(k - 1) / gamma), masked where a_m + k is past the sequence end.
 
 Glossary: N sequences, S padded sequence length, M anchors per sequence, R = N * M block rows,
 n = B - 1 drafted positions, D width, V vocabulary. All shapes are static; variation is masks.
@@ -25,6 +28,7 @@ from flax import struct
 from dflax.decoding.cache import KVCache
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer
 from dflax.drafters.draft_vocab import vocab_index
+from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
 
 # The paper's decay of the position weights per block size.
@@ -64,8 +68,10 @@ class Blocks:
     valid: jax.Array
 
 
-def sample_anchors(key: jax.Array, prompt_len: jax.Array, length: jax.Array, max_len: int, num_anchors: int):
-    """Distinct random anchors inside one sequence's response, deterministic under `key`.
+def sample_anchors(
+    key: jax.Array, prompt_len: jax.Array, length: jax.Array, max_len: int, num_anchors: int, stride: int = 0
+):
+    """Distinct anchors inside one sequence's response, deterministic under `key`.
 
     An anchor a is a committed response token with at least one token after it:
     prompt_len <= a <= length - 2 (the first response token is the target's own, as at decode time).
@@ -76,10 +82,17 @@ def sample_anchors(key: jax.Array, prompt_len: jax.Array, length: jax.Array, max
       length: [] int32 tokens in the sequence (prompt + response).
       max_len: S, the padded length (static).
       num_anchors: M (static).
+      stride: 0 = M random distinct candidates; s >= 1 = every s-th candidate from a random offset in
+        [0, s) (s = 1: every response position), the first M of them.
 
     Returns:
       (anchors [M] int32, used [M] bool); fewer than M candidates leave the remaining rows unused.
     """
+    if stride:
+        offset = jax.random.randint(key, (), 0, stride)
+        anchors = prompt_len + offset + stride * jnp.arange(num_anchors, dtype=jnp.int32)  # [M]
+        used = anchors <= length - 2
+        return jnp.where(used, anchors, 0).astype(jnp.int32), used
     positions = jnp.arange(max_len, dtype=jnp.int32)  # [S]
     candidate = (positions >= prompt_len) & (positions <= length - 2)
     scores = jnp.where(candidate, jax.random.uniform(key, (max_len,)), -1.0)  # [S]
@@ -89,7 +102,13 @@ def sample_anchors(key: jax.Array, prompt_len: jax.Array, length: jax.Array, max
 
 
 def make_blocks(
-    key: jax.Array, tokens: jax.Array, prompt_lens: jax.Array, lengths: jax.Array, num_anchors: int, n: int
+    key: jax.Array,
+    tokens: jax.Array,
+    prompt_lens: jax.Array,
+    lengths: jax.Array,
+    num_anchors: int,
+    n: int,
+    stride: int = 0,
 ) -> Blocks:
     """Samples M anchors per sequence and gathers their anchor tokens and labels.
 
@@ -100,13 +119,14 @@ def make_blocks(
       lengths: [N] int32 real lengths (padding rows have length 0 and get no anchors).
       num_anchors: M.
       n: drafted positions per block (B - 1).
+      stride: anchor placement (see `sample_anchors`).
 
     Returns:
       Blocks with R = N * M rows, sequence-major.
     """
     num_seqs, max_len = tokens.shape
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_seqs))
-    anchors, used = jax.vmap(lambda k, p, s: sample_anchors(k, p, s, max_len, num_anchors))(
+    anchors, used = jax.vmap(lambda k, p, s: sample_anchors(k, p, s, max_len, num_anchors, stride))(
         keys, prompt_lens, lengths
     )  # [N, M], [N, M]
     offsets = anchors[:, :, None] + jnp.arange(1, n + 1, dtype=jnp.int32)  # [N, M, n]
@@ -122,52 +142,76 @@ def make_blocks(
 
 
 def target_features(
-    target: Transformer, target_params, tokens: jax.Array, tap_layers: tuple[int, ...]
+    target: Transformer,
+    target_params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    tap_layers: tuple[int, ...],
+    pack_tokens: int,
 ) -> jax.Array:
-    """The drafter's context features: the target's hidden states after `tap_layers`, concatenated.
+    """The drafter's context features of whole sequences, through the target's prefill path.
+
+    The forward is the one a prompt takes at decode time: an empty cache and the real tokens packed back to
+    back (`dflax.models.packing`), so padding costs no token-wise work.
 
     Args:
       target: the target module.
       target_params: its (frozen) parameters.
-      tokens: [N, S] int32 sequences (a causal forward over an empty cache, as prefill runs).
+      tokens: [N, S] int32 right-padded sequences.
+      lengths: [N] int32 real tokens per row (0 = an unused row); sum(lengths) <= pack_tokens.
       tap_layers: the drafter's target_layer_ids.
+      pack_tokens: L, the static size of the pack.
 
     Returns:
-      [N, S, K * D] features in the target's dtype.
+      [L, K * D] features of the real tokens in the target's dtype: row 0's, then row 1's, ...; the rows
+      past sum(lengths) hold nothing meaningful.
     """
     num_seqs, max_len = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (num_seqs, max_len))
-    # The barrier hides the empty cache from XLA, which would otherwise constant-fold its (all-masked)
-    # [N, heads, S, S] attention scores: minutes of compilation at S = 384.
-    cache = jax.lax.optimization_barrier(KVCache.init(target.config, num_seqs, max_len, target.dtype))
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((max_len, max_len), jnp.bool_)), (num_seqs, max_len, max_len))
-    _, _, taps = target.apply(target_params, tokens, positions, cache, causal, tap_layers)
-    return jax.lax.stop_gradient(jnp.concatenate(taps, axis=-1))
+    causal = jnp.tril(jnp.ones((max_len, max_len), jnp.bool_))
+    mask = causal[None] & (jnp.arange(max_len)[None, None, :] < lengths[:, None, None])  # [N, S, S]
+    cache = KVCache.init(target.config, num_seqs, max_len, target.dtype)
+    packing = Packing.of_lengths(lengths, max_len, pack_tokens)
+    _, _, taps = target.apply(
+        target_params, tokens, positions, cache, mask, tap_layers, empty_cache=True, packing=packing
+    )  # taps: [1, L, D] each
+    return jax.lax.stop_gradient(jnp.concatenate(taps, axis=-1)[0])
 
 
-def block_hidden(proposer: DFlashProposer, params, target_params, features: jax.Array, blocks: Blocks):
-    """The drafter's hidden states of every block, through the decoding forward.
+def block_hidden(
+    proposer: DFlashProposer, params, target_params, features: jax.Array, blocks: Blocks, chunk: int
+) -> jax.Array:
+    """The drafter's hidden states of every block: one forward per sequence over all its blocks.
 
     Args:
       proposer: the DFlash proposer (its block size is B).
       params: drafter parameters (trained).
       target_params: target parameters (embedding rows; frozen).
       features: [N, S, K * D] target features of the sequences.
-      blocks: R = N * M rows.
+      blocks: R = N * M rows, sequence-major.
+      chunk: blocks per attention chunk (see `dflax.models.block_attention`).
 
     Returns:
       [R, B, D] hidden states; position k predicts blocks.labels[:, k - 1].
     """
     num_seqs, max_len, _ = features.shape
-    rows_per_seq = blocks.anchors.shape[0] // num_seqs
+    rows, width = blocks.anchors.shape[0], proposer.num_draft + 1
+    per_seq = rows // num_seqs
     positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (num_seqs, max_len))
     ks, vs = proposer.module.apply(params, features, positions, method=DFlashDrafter.context_kv)
-
-    def per_row(x):  # [N, S, K, H] -> [R, S, K, H]: each sequence's context shared by its M rows
-        return jnp.repeat(x, rows_per_seq, axis=0)
-
-    context = KVCache(k=tuple(map(per_row, ks)), v=tuple(map(per_row, vs)), lengths=blocks.anchors)
-    return proposer.draft_hidden(params, target_params, blocks.tokens, blocks.anchors, context)
+    inputs = proposer.block_inputs(params, target_params, blocks.tokens)  # [R, B, D]
+    block_positions = blocks.anchors[:, None] + jnp.arange(width, dtype=jnp.int32)  # [R, B]
+    hidden = proposer.module.apply(
+        params,
+        inputs.reshape(num_seqs, per_seq, width, -1),
+        block_positions.reshape(num_seqs, per_seq, width),
+        ks,
+        vs,
+        blocks.anchors.reshape(num_seqs, per_seq),
+        chunk,
+        method=DFlashDrafter.anchored_blocks,
+    )  # [N, M, B, D]
+    return hidden.reshape(rows, width, -1)
 
 
 def token_scores(
@@ -259,6 +303,7 @@ def dflash_loss(
     blocks: Blocks,
     weights: jax.Array,
     chunk_rows: int,
+    attention_chunk: int,
 ) -> tuple[jax.Array, BlockStats]:
     """The weighted block cross-entropy of a batch.
 
@@ -270,13 +315,14 @@ def dflash_loss(
       blocks: the batch's blocks (R = N * M rows).
       weights: [n] position weights.
       chunk_rows: LM-head rows per chunk.
+      attention_chunk: blocks per attention chunk.
 
     Returns:
       (loss: sum_k w_k * ce * valid / sum_k w_k * valid, the batch's BlockStats). With a draft vocabulary,
       labels outside it carry no loss and count as wrong drafts in the stats.
     """
     target_params = jax.lax.stop_gradient(target_params)
-    hidden = block_hidden(proposer, params, target_params, features, blocks)  # [R, B, D]
+    hidden = block_hidden(proposer, params, target_params, features, blocks, attention_chunk)  # [R, B, D]
     labels = blocks.labels  # [R, n] target token ids
     if proposer.draft_vocab is not None:
         index = vocab_index(proposer.draft_vocab, proposer.target.config.vocab_size)  # [V]

@@ -4,7 +4,8 @@ A pipeline recipe (configs/pipeline/*.json) names a data recipe, a training reci
 each split to answer, and where the result goes. Every step resumes (make-data keeps finished shards,
 train restores its latest checkpoint), so an interrupted pipeline is rerun with the same command. The
 exported drafter is copied to `ship_to` with TRAINING.json: what data it saw, the recipe, the steps, the
-training wall time and the final validation numbers.
+training wall time, the final validation numbers and every validation (per-position acceptance and
+estimated tau), plotted in validation.png beside it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from dflax.target import Target, load_target
 from dflax.train.dataset import load_sequences, read_manifest
 from dflax.train.make_data import DataConfig, make_data
 from dflax.train.recipe import read_recipe
+from dflax.train.report import METRICS, PLOT, TRAINING_RECORD, read_metrics
 from dflax.train.trainer import TrainConfig, TrainResult, train
-
-TRAINING_RECORD = "TRAINING.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +54,10 @@ class PipelineConfig:
 
 
 def training_record(run_dir: Path, data_dir: Path, config: TrainConfig, result: TrainResult) -> dict:
-    """What the shipped drafter was trained on and how long it took (from the manifest and metrics.jsonl)."""
+    """What the shipped drafter was trained on, how long it took and how validation went (from the manifest
+    and metrics.jsonl)."""
     manifest = read_manifest(data_dir) or {}
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    metrics = read_metrics(run_dir / METRICS)
     progress = [m for m in metrics if "loss" in m]
     validation = [m for m in metrics if "val_tau" in m]
     splits = manifest.get("splits", {})
@@ -72,6 +73,7 @@ def training_record(run_dir: Path, data_dir: Path, config: TrainConfig, result: 
         "train_wall_s": round(sum(m.get("seconds", 0.0) for m in progress), 1),
         "final_loss": progress[-1]["loss"] if progress else None,
         "final_validation": validation[-1] if validation else None,
+        "validation": validation,
     }
 
 
@@ -109,5 +111,7 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
         shutil.copytree(result.drafter_dir, ship)
         record = training_record(run_dir, data_dir, train_config, result)
         (ship / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        if (run_dir / PLOT).exists():
+            shutil.copy(run_dir / PLOT, ship / PLOT)
         console.print(f"drafter shipped to {ship}")
     return result

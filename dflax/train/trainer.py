@@ -2,13 +2,16 @@
 
 The step is `state = step(state, target_params, batch)`, jitted once (sequences are padded to
 `max_seq_len`, anchors per sequence are fixed) with the state donated. The loss is
-`dflax.train.objective.dflash_loss`, which runs the decoding forward of the drafter itself. Optimizer:
-AdamW, warmup (4%) + cosine schedule to 0, global-norm clipping 1.0 (the paper's recipe).
+`dflax.train.objective.dflash_loss`, which runs all anchors of a sequence in one drafter forward with the
+layers and math of the decoding forward. Optimizer: AdamW, warmup (4%) + cosine schedule to 0, global-norm
+clipping 1.0 (the paper's recipe). A run starts from random weights, the target's last layers, or an
+exported drafter (warm start: `init` "drafter", `init_from` "shipped" or a directory).
 
-Target features are precomputed once per sequence by a frozen target forward and cached on disk
+Target features are precomputed once per sequence by the target's prefill forward and cached on disk
 (`dflax.train.features`: `out_dir/features/{train,validation}.npy`, bf16, memory-mapped, filled resumably
-before the first step). Measured on SmolLM2-135M (30 layers, d 576; 3-layer drafter, 5 target layers),
-4 sequences x S tokens per step, 32 anchors each, B = 16, float32 on a shared 2-core CPU (best of 3):
+before the first step). Measured on SmolLM2-135M (30 layers, d 576; 3-layer drafter, 5 target layers)
+before all anchors shared one forward, 4 sequences x S tokens per step, 32 anchors each, B = 16, float32
+on a shared 2-core CPU (best of 3):
                                          S = 384              S = 512
   target forward inside the step         11.6 s/step          10.3 s/step
   step on cached features                6.8 s + 13 ms read   4.2 s + 9 ms read
@@ -17,10 +20,21 @@ Per batch of sequences over the recipe's 6 epochs that is 69 s vs 45 s (S = 384)
 (S = 512): caching is 1.5-2x faster and breaks even within the first epoch. The price is disk,
 K * D * 2 bytes per real token (5.8 kB for SmolLM2: ~1.7 MB per 300-token sequence, ~30 GB for 17k).
 
+The step's cost per anchor is the block's own work (B tokens through the drafter layers, B - 1 LM-head
+rows), so anchors/s hardly moves with M; what grew with M was memory, while every anchor copied its
+context. XLA's accounting of the compiled step (SmolLM2, the shipped recipe with M changed; per-anchor
+copy -> one forward): S = 512, 4 sequences: scratch 1.2 -> 1.0 GB (M = 32), 4.5 -> 1.7 GB (M = 128),
+13.5 -> 4.8 GB (M = 384), flops per anchor 1.5 -> 1.5 G (M = 32), 1.23 -> 1.09 G (M = 384); S = 2048, one
+sequence: 7.0 -> 1.1 GB and 1.88 -> 1.40 G flops per anchor (M = 256), 13.9 -> 1.7 GB and 1.81 -> 1.21 G
+(M = 512). Wall clock on the shared CPU (median of 5 steps, loaded by other jobs): 10.5 -> 13.1 anchors/s
+(M = 32) and 12.0 -> 11.4 (M = 128), the same within the noise; 6.7 anchors/s at M = 384 after.
+
 Resuming is exact: the batch of step s is a pure function of (seed, s) (one permutation of the training
 sequences per epoch), the anchors come from the PRNG key carried in the state, and orbax checkpoints hold
 params, optimizer state, key and step. So a run interrupted (SIGTERM/SIGINT: saved at the next step
-boundary) and resumed ends in the same state as an uninterrupted one.
+boundary) or killed (kill -9: it repeats the steps since its last checkpoint) and resumed ends in the same
+state as an uninterrupted one. Each validation also rewrites `out_dir/TRAINING.json` and
+`out_dir/validation.png` (`dflax.train.report`).
 """
 
 from __future__ import annotations
@@ -45,28 +59,44 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dflax.drafters.checkpoint import save_drafter
-from dflax.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, init_drafter_params
+from dflax.drafters.dflash import (
+    DRAFTER_LAYER_ARCHS,
+    DFlashConfig,
+    DFlashDrafter,
+    DFlashProposer,
+    init_drafter_params,
+)
 from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.models.transformer import Transformer
-from dflax.target import Target
+from dflax.target import Target, weights_fingerprint
 from dflax.train import objective
 from dflax.train.features import FeatureCache, cache_features
 from dflax.train.recipe import read_recipe
+from dflax.train.report import METRICS, write_report
 from dflax.train.target_init import init_from_target
+from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
 
 # What a checkpoint must share with the run it resumes: the start, the data order and the anchors.
 _ORDER_FIELDS = (
     "seed",
     "init",
+    "init_from",
+    "layer_kind",
     "batch_size",
     "max_seq_len",
     "anchors_per_seq",
+    "anchor_stride",
     "block_size",
     "draft_vocab_size",
 )
 
-# How a run's drafter starts: random weights, or the target's last layers (dflax.train.target_init).
-INITS = ("random", "target")
+# How a run's drafter starts: random weights, the target's last layers (dflax.train.target_init), or an
+# exported drafter (dflax.train.warm_start).
+INITS = ("random", "target", "drafter")
+
+# The drafter's decoder-layer kind: "qwen3" (q/k-norm, the official layout) or "target" (the target's own
+# kind, so layers copied by init "target" behave as in the target: no q/k-norm for a Llama target).
+LAYER_KINDS = ("qwen3", "target")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +111,19 @@ class TrainConfig:
       target_layer_ids: target layers fused as features; None = the published spread.
       mask_token_id: a target token used as the mask; None = a learned mask embedding.
       feature_norm: RMS-normalize each tapped layer's features before the drafter's fc (see DFlashConfig).
-      init: "random", or "target" to start from the target's last layers (see dflax.train.target_init).
+      layer_kind: "qwen3" (q/k-norm, the official layout) or "target" (the target's own layer kind, so
+        layers copied by init "target" compute as in the target; Llama and Qwen3 targets).
+      init: "random", "target" to start from the target's last layers (see dflax.train.target_init), or
+        "drafter" to start from the exported drafter `init_from` (warm start, see dflax.train.warm_start).
+      init_from: with init "drafter": "shipped" (the drafter dflax ships for the target) or a drafter
+        directory.
       draft_vocab_size: V', the drafter reads out only the V' most frequent tokens of the training
         responses (dflax.drafters.draft_vocab); 0 = the target's whole vocabulary.
-      anchors_per_seq: M random anchors (blocks) per sequence per step.
+      anchors_per_seq: M anchors (blocks) per sequence per step, all in one drafter forward.
+      anchor_stride: 0 = M random distinct response positions; s >= 1 = every s-th response position
+        from a random offset (1 = every position), at most M.
+      attention_chunk: blocks whose attention scores are held at once (memory: batch_size * chunk *
+        heads * B * (max_seq_len + B) floats); the work does not depend on it.
       max_seq_len: S, sequences are truncated / padded to this length.
       batch_size: sequences per step (R = batch_size * anchors_per_seq block rows).
       logits_chunk: block rows per LM-head chunk (memory: chunk * (B - 1) * vocab floats).
@@ -111,9 +150,13 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None
     mask_token_id: int | None = None
     feature_norm: bool = False
+    layer_kind: str = "qwen3"
     init: str = "random"
+    init_from: str | None = None
     draft_vocab_size: int = 0
     anchors_per_seq: int = 32
+    anchor_stride: int = 0
+    attention_chunk: int = 64
     max_seq_len: int = 384
     batch_size: int = 4
     logits_chunk: int = 32
@@ -134,8 +177,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.target_layer_ids is not None:
             object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
-        positive = ("num_layers", "anchors_per_seq", "batch_size", "logits_chunk", "epochs")
-        positive += ("checkpoint_every", "validate_every", "log_every")
+        positive = ("num_layers", "anchors_per_seq", "attention_chunk", "batch_size", "logits_chunk")
+        positive += ("epochs", "checkpoint_every", "validate_every", "log_every")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"training config: {name} must be >= 1, got {getattr(self, name)}")
@@ -157,6 +200,19 @@ class TrainConfig:
             raise ValueError(f"training config: warmup_frac must be in [0, 1), got {self.warmup_frac}")
         if self.init not in INITS:
             raise ValueError(f"training config: init {self.init!r} unknown; use one of {', '.join(INITS)}")
+        if (self.init == "drafter") != (self.init_from is not None):
+            raise ValueError(
+                "training config: init 'drafter' needs init_from ('shipped' or a drafter directory), and "
+                f"init_from is only read with init 'drafter' (got init {self.init!r}, init_from "
+                f"{self.init_from!r})"
+            )
+        if self.layer_kind not in LAYER_KINDS:
+            raise ValueError(
+                f"training config: layer_kind {self.layer_kind!r} unknown; "
+                f"use one of {', '.join(LAYER_KINDS)}"
+            )
+        if self.anchor_stride < 0:
+            raise ValueError(f"training config: anchor_stride must be >= 0, got {self.anchor_stride}")
         if self.export_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"training config: export_dtype {self.export_dtype!r}; use bfloat16 or float32")
         objective.position_weights(self.block_size, self.loss_gamma)  # validates gamma
@@ -180,6 +236,15 @@ class TrainConfig:
 
     def drafter_config(self, target: Target) -> DFlashConfig:
         """The drafter architecture this recipe trains for `target`."""
+        layer_arch = self.layer_kind
+        if layer_arch == "target":
+            layer_arch = target.config.arch
+            if layer_arch not in DRAFTER_LAYER_ARCHS or target.config.attention_bias:
+                raise ValueError(
+                    f"training config: layer_kind 'target' needs a target with drafter-style layers "
+                    f"({', '.join(DRAFTER_LAYER_ARCHS)} without attention bias), not {layer_arch!r}; "
+                    "use layer_kind 'qwen3'"
+                )
         return DFlashConfig.for_target(
             target.config,
             self.num_layers,
@@ -187,7 +252,18 @@ class TrainConfig:
             self.target_layer_ids,
             self.mask_token_id,
             self.feature_norm,
+            layer_arch,
         )
+
+    @property
+    def feature_rows(self) -> int:
+        """Sequences per target-feature forward (at most; see `feature_tokens`)."""
+        return 2 * self.batch_size
+
+    @property
+    def feature_tokens(self) -> int:
+        """Real tokens packed into one target-feature forward (at most)."""
+        return self.batch_size * self.max_seq_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,10 +385,23 @@ def make_steps(proposer: DFlashProposer, config: TrainConfig, tx: optax.Gradient
     def loss_fn(params, target_params, batch, key):
         features = batch["features"].astype(jnp.float32)  # [N, S, K * D]
         blocks = objective.make_blocks(
-            key, batch["tokens"], batch["prompt_lens"], batch["lengths"], config.anchors_per_seq, n
+            key,
+            batch["tokens"],
+            batch["prompt_lens"],
+            batch["lengths"],
+            config.anchors_per_seq,
+            n,
+            config.anchor_stride,
         )
         return objective.dflash_loss(
-            proposer, params, target_params, features, blocks, weights, config.logits_chunk
+            proposer,
+            params,
+            target_params,
+            features,
+            blocks,
+            weights,
+            config.logits_chunk,
+            config.attention_chunk,
         )
 
     def train_step(state: TrainState, target_params, batch):
@@ -340,7 +429,8 @@ class _Programs:
       module: the drafter module (float32 master weights, the differentiable reference attention).
       tx: the optimizer.
       train_step, eval_step: see `make_steps`.
-      features: (target_params, tokens [N, S]) -> [N, S, K * D] bf16 target features.
+      features: (target_params, tokens [rows, S], lengths [rows]) -> [L, K * D] bf16 target features of the
+        rows' real tokens back to back (the prefill path; rows and L from the recipe).
     """
 
     module: DFlashDrafter
@@ -368,8 +458,11 @@ def _programs(
     proposer = DFlashProposer(module, target, config.block_size, draft_vocab=vocab)
     train_step, eval_step = make_steps(proposer, config, tx)
     taps = dflash.target_layer_ids
+    pack = config.feature_tokens
     features = jax.jit(
-        lambda params, tokens: objective.target_features(target, params, tokens, taps).astype(jnp.bfloat16)
+        lambda params, tokens, lengths: objective.target_features(
+            target, params, tokens, lengths, taps, pack
+        ).astype(jnp.bfloat16)
     )
     return _Programs(module, tx, train_step, eval_step, features)
 
@@ -457,13 +550,14 @@ def _summary(pending: list[dict], tokens: int, seconds: float, step: int) -> dic
         "grad_norm": float(np.mean([m["grad_norm"] for m in fetched])),
         "acc": np.round(np.asarray(objective.position_accuracy(stats)), 4).tolist(),
         "tok_s": tokens / seconds,
+        "anchors_s": float(stats.valid[0]) / seconds,  # blocks trained per second
         "seconds": round(seconds, 3),
     }
 
 
 def _progress_text(record: dict, tau: float | None) -> str:
     acc = " ".join(f"{a:.2f}" for a in record["acc"][:4])
-    text = f"loss {record['loss']:.3f}  acc@1-4 {acc}  {record['tok_s']:.0f} tok/s"
+    text = f"loss {record['loss']:.3f}  acc@1-4 {acc}  {record['anchors_s']:.0f} anchors/s"
     return text + (f"  val tau {tau:.2f}" if tau is not None else "")
 
 
@@ -473,6 +567,8 @@ def _initial_state(
     params = init_drafter_params(module, config.seed)
     if config.init == "target":
         params = init_from_target(params, target.params, target.config, module.config)
+    elif config.init == "drafter":
+        params = warm_start_params(resolve_drafter_dir(config.init_from, target.name), module.config, params)
     return TrainState(
         params=params,
         opt_state=tx.init(params),
@@ -570,13 +666,15 @@ def train(
         log_file.write(json.dumps(entry) + "\n")
         log_file.flush()
 
-    with _StopFlag() as stop, progress, (out_dir / "metrics.jsonl").open("a" if resume else "w") as log_file:
+    with _StopFlag() as stop, progress, (out_dir / METRICS).open("a" if resume else "w") as log_file:
         fill = functools.partial(
             cache_features,
             target=target,
+            weights=weights_fingerprint(target),
             taps=dflash.target_layer_ids,
             compute=programs.features,
-            batch_size=config.batch_size,
+            rows=config.feature_rows,
+            pack_tokens=config.feature_tokens,
             progress=progress,
             should_stop=lambda: stop.signum is not None,
         )
@@ -611,6 +709,7 @@ def train(
                 )
                 tau = entry["val_tau"]
                 record({"step": step, **entry})
+                write_report(out_dir, config.to_dict(), total_steps)
             if step % config.checkpoint_every == 0:
                 save(step)
             if not pending:

@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import dflax
+from dflax.checkpoints.params import CheckpointError
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import DFlashConfig, load_drafter
 from dflax.drafters.checkpoint import config_from_json, config_to_json, save_drafter
@@ -73,6 +74,33 @@ def test_save_load_round_trip_in_official_layout(tmp_path, target):
     assert loaded.config == drafter.config
     jax.tree.map(np.testing.assert_array_equal, loaded.params, drafter.params)
     assert tokens_with(target, loaded) == tokens_with(target, drafter)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("layer_arch", ["qwen3", "llama"])
+def test_config_round_trips_tied_embeddings_and_layer_kind(tmp_path, target, tie, layer_arch):
+    config = DFlashConfig.for_target(target.config, 2, 8, layer_arch=layer_arch)
+    config = dataclasses.replace(config, layers=dataclasses.replace(config.layers, tie_word_embeddings=tie))
+    data = config_to_json(config, target.config.num_layers)
+    assert data["tie_word_embeddings"] is tie and data["model_type"] == layer_arch
+    assert config_from_json(json.loads(json.dumps(data))) == config
+
+    module = DFlashDrafter(config)
+    params = init_drafter_params(module, seed=2)
+    save_drafter(tmp_path, config, params, target.config.num_layers)
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.config == config
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, params)
+    has_qk_norm = any("q_norm" in name for name in load_file(str(tmp_path / "model.safetensors")))
+    assert has_qk_norm == (layer_arch == "qwen3")  # Llama-kind layers have no q/k norms
+
+
+def test_unknown_drafter_layer_kind_is_refused(tmp_path, target):
+    data = config_to_json(DFlashConfig.for_target(target.config, 2, 8), target.config.num_layers)
+    with pytest.raises(CheckpointError, match="model_type 'gemma3'"):
+        config_from_json({**data, "model_type": "gemma3"})
+    with pytest.raises(ValueError, match="kind 'gemma3'"):
+        DFlashConfig.for_target(target.config, 2, 8, layer_arch="gemma3")
 
 
 def test_bfloat16_weights_load(tmp_path, target):

@@ -11,6 +11,8 @@ import functools
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -23,15 +25,19 @@ from typer.testing import CliRunner
 
 import dflax
 from dflax.cli import app
+from dflax.decoding.cache import KVCache
 from dflax.drafters import load_drafter, shipped_drafter_path
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, init_drafter_params
 from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.generation import encode_prompt
 from dflax.models.transformer import Transformer
+from dflax.target import weights_fingerprint
 from dflax.train import objective
 from dflax.train.dataset import write_shard
 from dflax.train.features import cache_features
+from dflax.train.report import METRICS, PLOT, TRAINING_RECORD
 from dflax.train.trainer import TrainConfig, batch_index, pad_sequences, train
+from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
 
 RECIPE = Path(__file__).parents[2] / "configs/train/dflash-smollm2.json"
 QUIET = Console(quiet=True)
@@ -81,18 +87,53 @@ def tiny_proposer(target, block_size=8, num_layers=2):
     return DFlashProposer(module, target.module, block_size), init_drafter_params(module, seed=1)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _block_logits(proposer, params, target_params, features, blocks):
-    hidden = objective.block_hidden(proposer, params, target_params, features, blocks)  # [R, B, D]
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _block_logits(proposer, params, target_params, features, blocks, chunk):
+    hidden = objective.block_hidden(proposer, params, target_params, features, blocks, chunk)  # [R, B, D]
     return proposer.target.apply(target_params, hidden[:, 1:], method=Transformer.logits)  # [R, n, V]
 
 
-def block_logits(proposer, params, target, features, blocks):
-    return np.asarray(_block_logits(proposer, params, target.params, features, blocks))
+def block_logits(proposer, params, target, features, blocks, chunk=2):
+    """[R, n, V] logits of the blocks through the training forward (all anchors of a sequence at once)."""
+    return np.asarray(_block_logits(proposer, params, target.params, features, blocks, chunk))
 
 
-features_of = jax.jit(objective.target_features, static_argnums=(0, 3))
-loss_of = jax.jit(objective.dflash_loss, static_argnums=(0, 6))
+def per_anchor_hidden(proposer, params, target_params, features, blocks):
+    """The oracle: the decoding forward, one block per row over its own copy of the sequence's context cut
+    at the anchor (the objective before all anchors shared one forward)."""
+    num_seqs, max_len, _ = features.shape
+    positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (num_seqs, max_len))
+    ks, vs = proposer.module.apply(params, features, positions, method=DFlashDrafter.context_kv)
+    per_row = lambda x: jnp.repeat(x, blocks.anchors.shape[0] // num_seqs, axis=0)  # noqa: E731
+    context = KVCache(k=tuple(map(per_row, ks)), v=tuple(map(per_row, vs)), lengths=blocks.anchors)
+    return proposer.draft_hidden(params, target_params, blocks.tokens, blocks.anchors, context)  # [R, B, D]
+
+
+def per_anchor_loss(proposer, params, target_params, features, blocks, weights):
+    """The oracle's weighted loss and [R, n] greedy correctness."""
+    hidden = per_anchor_hidden(proposer, params, target_params, features, blocks)
+    logits = proposer.target.apply(target_params, hidden[:, 1:], method=Transformer.logits)  # [R, n, V]
+    picked = jnp.take_along_axis(logits, blocks.labels[..., None], -1)[..., 0]
+    ce = jax.nn.logsumexp(logits, -1) - picked  # [R, n]
+    w = weights[None] * blocks.valid
+    return jnp.sum(w * ce) / jnp.sum(w), jnp.argmax(logits, -1) == blocks.labels
+
+
+features_of = jax.jit(objective.target_features, static_argnums=(0, 4, 5))
+loss_of = jax.jit(objective.dflash_loss, static_argnums=(0, 6, 7))
+
+
+def padded_features(target, tokens, lengths, taps):
+    """[N, S, K * D] features of padded sequences through the prefill path (zero past each length)."""
+    n, s = tokens.shape
+    packed = np.asarray(features_of(target.module, target.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                    taps, n * s))  # fmt: skip
+    out = np.zeros((n, s, packed.shape[-1]), packed.dtype)
+    start = 0
+    for i, length in enumerate(np.asarray(lengths)):
+        out[i, :length] = packed[start : start + length]
+        start += length
+    return jnp.asarray(out)
 
 
 def test_block_sees_only_context_before_its_anchor_and_no_other_block(target):
@@ -122,6 +163,69 @@ def test_block_sees_only_context_before_its_anchor_and_no_other_block(target):
     # Another block's anchor token and position leave row 0 alone.
     other = blocks.replace(anchors=anchors.at[1].set(33), tokens=blocks.tokens.at[1].set(200).at[2].set(201))
     np.testing.assert_array_equal(block_logits(proposer, params, target, features, other)[0], base[0])
+
+
+@pytest.mark.parametrize("stride", [0, 1])
+def test_all_anchors_in_one_forward_equal_the_per_anchor_objective(target, stride):
+    """Loss, per-position correctness and gradients of the one-forward objective equal those of one decoding
+    forward per anchor (each over its own copy of the context cut at the anchor), dense anchors included."""
+    proposer, params = tiny_proposer(target)
+    n, s = 7, 48
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(3, 256, (2, s)).astype(np.int32)
+    prompt_lens, lengths = jnp.asarray([5, 9], jnp.int32), jnp.asarray([40, 48], jnp.int32)
+    # 37 anchors: at stride 1 every response position of sequence 0 (34 candidates: 3 rows unused).
+    key = jax.random.key(2)
+    blocks = objective.make_blocks(key, jnp.asarray(tokens), prompt_lens, lengths, 37, n, stride)
+    assert not np.asarray(blocks.valid).all()
+    features = padded_features(target, tokens, lengths, proposer.tap_layers)
+    weights = objective.position_weights(8, 4.0)
+
+    def one_forward(p):
+        return objective.dflash_loss(proposer, p, target.params, features, blocks, weights, 16, 5)
+
+    def per_anchor(p):
+        return per_anchor_loss(proposer, p, target.params, features, blocks, weights)
+
+    (loss, stats), grads = jax.jit(jax.value_and_grad(one_forward, has_aux=True))(params)
+    (expected, correct), expected_grads = jax.jit(jax.value_and_grad(per_anchor, has_aux=True))(params)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(stats.correct, (np.asarray(correct) & np.asarray(blocks.valid)).sum(0))
+    accuracy = objective.position_accuracy(stats)
+    np.testing.assert_allclose(accuracy, (correct & blocks.valid).sum(0) / blocks.valid.sum(0), atol=1e-6)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(expected_grads))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * scale), grads, expected_grads)
+
+
+def test_dense_anchors_at_a_stride_cover_the_response():
+    key = jax.random.key(0)
+    every, used = objective.sample_anchors(key, jnp.int32(5), jnp.int32(30), 64, 40, stride=1)
+    np.testing.assert_array_equal(every[used], np.arange(5, 29))  # all 24 candidates, in order
+    third, used = objective.sample_anchors(key, jnp.int32(5), jnp.int32(30), 64, 40, stride=3)
+    assert set(np.diff(third[used])) == {3} and 5 <= third[0] < 8 and third[used].max() <= 28
+    offsets = {int(objective.sample_anchors(jax.random.key(i), 5, 30, 64, 4, 3)[0][0]) for i in range(20)}
+    assert offsets == {5, 6, 7}  # the offset varies with the key, so every position gets trained
+
+
+def test_target_features_through_the_packed_prefill_equal_a_plain_forward(target):
+    """Packed rows of mixed lengths give each real token the taps of an unpadded forward of its sequence."""
+    taps = (0, 2)
+    rng = np.random.default_rng(5)
+    lengths = np.asarray([9, 0, 14, 3], np.int32)  # an unused row in the middle
+    tokens = rng.integers(3, 256, (4, 16)).astype(np.int32)
+    packed = np.asarray(features_of(target.module, target.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                    taps, 32))  # fmt: skip
+    start = 0
+    for row, length in enumerate(lengths):
+        if length:
+            ids = jnp.asarray(tokens[row : row + 1, :length])
+            positions = jnp.arange(length, dtype=jnp.int32)[None]
+            cache = KVCache.init(target.config, 1, int(length), jnp.float32)
+            causal = jnp.tril(jnp.ones((1, length, length), jnp.bool_))
+            _, _, plain = target.module.apply(target.params, ids, positions, cache, causal, taps)
+            expected = np.concatenate([np.asarray(t[0]) for t in plain], -1)  # [length, K * D]
+            np.testing.assert_allclose(packed[start : start + length], expected, rtol=1e-5, atol=1e-5)
+        start += length
 
 
 def test_position_weights_and_paper_gamma():
@@ -158,9 +262,9 @@ def test_loss_weights_and_masking_beyond_the_sequence_end(target):
         k = np.flatnonzero(blocks.valid[r])
         np.testing.assert_array_equal(blocks.labels[r, k], tokens[r // 8, a + 1 + k])
 
-    features = features_of(target.module, target.params, jnp.asarray(tokens), proposer.tap_layers)
+    features = padded_features(target, tokens, lengths, proposer.tap_layers)
     weights = objective.position_weights(8, 4.0)
-    loss, stats = loss_of(proposer, params, target.params, features, blocks, weights, 5)  # 4 chunks, padded
+    loss, stats = loss_of(proposer, params, target.params, features, blocks, weights, 5, 3)  # chunks padded
     logits = block_logits(proposer, params, target, features, blocks)
     ce = (
         jax.nn.logsumexp(logits, -1)
@@ -173,9 +277,9 @@ def test_loss_weights_and_masking_beyond_the_sequence_end(target):
     # Tokens past a sequence's end change neither the labels nor the loss (features are causal).
     tail = tokens.copy()
     tail[0, 20:] = 7
-    features_t = features_of(target.module, target.params, jnp.asarray(tail), proposer.tap_layers)
+    features_t = padded_features(target, tail, lengths, proposer.tap_layers)
     blocks_t = objective.make_blocks(jax.random.key(0), jnp.asarray(tail), prompt_lens, lengths, 8, n)
-    loss_t, _ = loss_of(proposer, params, target.params, features_t, blocks_t, weights, 5)
+    loss_t, _ = loss_of(proposer, params, target.params, features_t, blocks_t, weights, 5, 3)
     np.testing.assert_allclose(loss_t, loss, rtol=1e-6)
 
 
@@ -188,9 +292,9 @@ def test_draft_vocabulary_loss_reads_out_its_tokens_and_skips_the_others(target)
     )
     vocab = np.unique(np.asarray(blocks.labels))[::2].astype(np.int32)  # half of the labels' tokens
     pruned = dataclasses.replace(proposer, draft_vocab=vocab)
-    features = features_of(target.module, target.params, jnp.asarray(tokens), proposer.tap_layers)
+    features = padded_features(target, tokens, np.asarray([s]), proposer.tap_layers)
     weights = objective.position_weights(8, 4.0)
-    loss, stats = loss_of(pruned, params, target.params, features, blocks, weights, 5)
+    loss, stats = loss_of(pruned, params, target.params, features, blocks, weights, 5, 3)
 
     logits = block_logits(proposer, params, target, features, blocks)[..., vocab]  # [R, n, V']
     labels = np.asarray(blocks.labels)
@@ -297,12 +401,108 @@ def test_resume_after_sigterm_equals_the_uninterrupted_run(target, sequences, ov
     jax.tree.map(np.testing.assert_array_equal, resumed.params, overfit.params)
 
 
+KILLED_RUN = """
+import json, os, signal, sys
+import numpy as np
+import dflax
+from rich.console import Console
+from dflax.train.trainer import TrainConfig, train
+
+target_dir, config_path, data_path, out, kill_at = sys.argv[1:]
+arrays = np.load(data_path)
+seqs = [(arrays["tokens"][a:b], int(p)) for a, b, p in
+        zip(arrays["offsets"][:-1], arrays["offsets"][1:], arrays["prompt_lens"])]
+kill = lambda step: step == int(kill_at) and os.kill(os.getpid(), signal.SIGKILL)
+config = TrainConfig(**json.loads(open(config_path).read()))
+target = dflax.load_target(target_dir)
+train(config, target, seqs[:32], seqs[32:], out, console=Console(quiet=True), on_step=kill)
+"""
+
+
+def test_resume_after_kill_9_equals_the_uninterrupted_run(
+    target, tiny_checkpoint, sequences, overfit, tmp_path
+):
+    """Killed (SIGKILL, no handler runs) at step 150, 50 steps after its last checkpoint: the resumed run
+    repeats those steps and ends in the uninterrupted run's state; its report counts each step once."""
+    data = tmp_path / "sequences.npz"
+    np.savez(
+        data,
+        tokens=np.concatenate([ids for ids, _ in sequences]),
+        offsets=np.cumsum([0] + [len(ids) for ids, _ in sequences]),
+        prompt_lens=np.asarray([p for _, p in sequences]),
+    )
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_dict()))
+    run = tmp_path / "run"
+    args = [str(tiny_checkpoint("qwen3")[0]), str(tmp_path / "config.json"), str(data), str(run), "150"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, *args], env=env, capture_output=True, text=True
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in (run / METRICS).read_text().splitlines()][-1] == 150
+
+    resumed = train(TINY, target, sequences[:32], sequences[32:], run, console=QUIET)
+    assert resumed.step == 300 and [e["step"] for e in resumed.log][0] == 125  # from the checkpoint at 100
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, overfit.params)
+    report = json.loads((run / TRAINING_RECORD).read_text())
+    assert [v["step"] for v in report["validation"]] == [150, 300] and report["steps"] == 300
+    assert report["validation"][-1] == {
+        "step": 300,
+        **{k: v for k, v in resumed.log[-1].items() if k != "step"},
+    }
+    assert (run / PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_validation_report_has_per_position_acceptance_and_a_plot(overfit):
+    run = overfit.drafter_dir.parent
+    report = json.loads((run / TRAINING_RECORD).read_text())
+    assert report["train"] == TINY.to_dict() and report["total_steps"] == 300
+    validation = report["validation"]
+    assert [v["step"] for v in validation] == [150, 300]
+    for v in validation:  # per-position acceptance of B - 1 = 7 drafts and the tau it implies
+        assert len(v["val_accept"]) == len(v["val_acc"]) == 7
+        np.testing.assert_allclose(v["val_tau"], 1 + np.cumprod(v["val_accept"]).sum(), rtol=1e-3)  # 4 digits
+    assert (run / PLOT).stat().st_size > 10_000
+
+
+def test_warm_start_continues_from_an_exported_drafter(target, sequences, overfit, tmp_path):
+    """init 'drafter' starts from the export's weights (no optimizer state): its first loss is the trained
+    drafter's, far below a fresh start's; a drafter of another architecture is refused."""
+    config = dataclasses.replace(
+        TINY, init="drafter", init_from=str(overfit.drafter_dir), steps=2, log_every=1
+    )
+    warm = train(config, target, sequences[:32], sequences[32:], tmp_path / "warm", console=QUIET)
+    fresh = [e for e in overfit.log if "loss" in e][0]["loss"]  # mean over the first 25 steps
+    assert warm.log[0]["loss"] < 0.3 * fresh
+    exported = load_drafter(overfit.drafter_dir, target)
+    module = DFlashDrafter(config.drafter_config(target), jnp.float32, "reference")
+    started = warm_start_params(overfit.drafter_dir, module.config, init_drafter_params(module, 5))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(a, np.asarray(b, np.float32)), started, exported.params
+    )
+    with pytest.raises(ValueError, match="layers differ"):
+        other = dataclasses.replace(config, num_layers=1)
+        train(other, target, sequences[:32], sequences[32:], tmp_path / "other", console=QUIET)
+    with pytest.raises(ValueError, match="needs init_from"):
+        dataclasses.replace(TINY, init="drafter")
+    with pytest.raises(FileNotFoundError, match="ships no drafter"):
+        resolve_drafter_dir("shipped", "tiny")
+    assert resolve_drafter_dir("shipped", "smollm2-135m") == shipped_drafter_path("smollm2-135m")
+
+
 def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     recipe = TrainConfig.from_json(RECIPE)
     assert (recipe.num_layers, recipe.block_size, recipe.loss_gamma) == (3, 16, 7.0)
-    # The shipped drafter was trained with exactly the committed recipe.
-    shipped = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
-    assert shipped["train"] == recipe.to_dict()
+    # The shipped drafter was trained with exactly the committed recipe: the fields it records match, and
+    # the fields added since hold the defaults that reproduce the training it had.
+    recorded = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())["train"]
+    assert recorded == {k: v for k, v in recipe.to_dict().items() if k in recorded}
+    newer = set(recipe.to_dict()) - set(recorded)
+    assert newer and all(getattr(recipe, k) == getattr(TrainConfig(), k) for k in newer)
+    for block_size, gamma in ((8, 4.0), (16, 7.0)):  # the next recipes: the paper's gamma, dense anchors
+        recipe = TrainConfig.from_json(RECIPE.with_name(f"dflash-smollm2-b{block_size}.json"))
+        assert (recipe.block_size, recipe.loss_gamma, recipe.init) == (block_size, gamma, "target")
+        assert recipe.layer_kind == "target" and recipe.anchors_per_seq >= 256
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"block_size": 16, "lerning_rate": 1e-3}))
     with pytest.raises(ValueError, match="lerning_rate"):
@@ -344,32 +544,55 @@ def test_cli_trains_exports_and_resumes(target, tiny_checkpoint, sequences, tmp_
     assert again.exit_code == 0 and "at step 3 of 3" in " ".join(again.output.split())
     other = CliRunner().invoke(app, [*args, "--steps", "5"])
     assert other.exit_code == 2 and "--no-resume" in other.output
+    warm = CliRunner().invoke(app, [*args, "--init-from", str(tmp_path / "nowhere"), "--lr", "1e-3"])
+    assert warm.exit_code == 2 and "is not a drafter directory" in " ".join(warm.output.split())
 
 
 def test_feature_cache_resumes_an_interrupted_fill_and_rebuilds_for_other_data(target, tmp_path):
     width = 3 * target.config.hidden_size  # the tiny target taps its 3 layers
+    rows, pack = 4, 12
 
-    def compute(params, tokens):  # [4, S] -> [4, S, width] bf16: a stand-in for the target forward
+    def features(tokens):  # [N, S] -> [N, S, width] bf16: a stand-in for the target's features
         return jnp.broadcast_to(jnp.asarray(tokens, jnp.bfloat16)[..., None], (*tokens.shape, width))
+
+    def compute(params, tokens, lengths):  # the packed interface: real tokens back to back, then junk
+        assert tokens.shape == (rows, 6) and lengths.sum() <= pack
+        real = np.concatenate([np.asarray(features(t[None, :n]))[0] for t, n in zip(tokens, lengths)])
+        return np.concatenate([real, np.full((pack - len(real), width), 9.0, jnp.bfloat16)])
 
     tokens = np.arange(10 * 6, dtype=np.int32).reshape(10, 6)
     lengths = np.asarray([6, 3, 5, 6, 2, 6, 4, 6, 6, 1], np.int32)
-    expected = np.where((np.arange(6) < lengths[:, None])[..., None], np.asarray(compute(None, tokens)), 0)
+    expected = np.where((np.arange(6) < lengths[:, None])[..., None], np.asarray(features(tokens)), 0)
     calls = []
     fill = functools.partial(
-        cache_features, target=target, taps=(0, 1, 2), compute=compute, batch_size=4, progress=Progress()
-    )
+        cache_features, target=target, weights="w0", taps=(0, 1, 2), compute=compute, rows=rows,
+        pack_tokens=pack, progress=Progress(),
+    )  # fmt: skip
     stop_after_one = lambda: calls.append(1) or len(calls) > 1  # noqa: E731
     assert fill(tmp_path / "f.npy", tokens, lengths, should_stop=stop_after_one) is None
-    assert json.loads((tmp_path / "f.json").read_text())["done"] == 4  # one batch, then stopped
+    assert json.loads((tmp_path / "f.json").read_text())["done"] == 2  # 6 + 3 tokens fit the pack of 12
     cache = fill(tmp_path / "f.npy", tokens, lengths, should_stop=lambda: False)
     assert cache.features.shape == (lengths.sum(), width)  # only real tokens are stored
     np.testing.assert_array_equal(cache.batch(np.arange(10), 6), expected)
     np.testing.assert_array_equal(cache.batch(np.asarray([2, -1]), 8)[:, :6], [expected[2], 0 * expected[2]])
     other = fill(tmp_path / "f.npy", tokens + 1, lengths, should_stop=lambda: False)
-    np.testing.assert_array_equal(
-        other.batch(np.asarray([0]), 6)[0], np.asarray(compute(None, tokens + 1))[0]
-    )
+    np.testing.assert_array_equal(other.batch(np.asarray([0]), 6)[0], np.asarray(features(tokens + 1))[0])
+    # Other target weights (another fingerprint) rebuild the cache too.
+    calls.clear()
+    assert fill(tmp_path / "f.npy", tokens + 1, lengths, should_stop=stop_after_one) is not None  # kept
+    rebuilt = functools.partial(fill, weights="w1")
+    assert rebuilt(tmp_path / "f.npy", tokens + 1, lengths, should_stop=stop_after_one) is None
+    assert json.loads((tmp_path / "f.json").read_text())["done"] == 2
+
+
+def test_weights_fingerprint_follows_the_parameters(target, tiny_checkpoint):
+    again = dflax.load_target(str(tiny_checkpoint("qwen3")[0]))
+    assert weights_fingerprint(again) == weights_fingerprint(target)
+    edited = jax.tree.map(lambda x: x, target.params)
+    edited["params"]["norm"]["weight"] = edited["params"]["norm"]["weight"].at[0].add(1e-3)
+    assert weights_fingerprint(dataclasses.replace(target, params=edited)) != weights_fingerprint(target)
+    bf16 = dflax.load_target(str(tiny_checkpoint("qwen3")[0]), dtype="bfloat16")
+    assert weights_fingerprint(bf16) != weights_fingerprint(target)
 
 
 def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_path):
