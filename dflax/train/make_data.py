@@ -21,7 +21,6 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -29,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflax.checkpoints.registry import DEFAULT_TARGET
 from dflax.generation import encode_prompt, generate
 from dflax.prompts import PromptRecord, result_key, row_seed
-from dflax.target import Target, load_target
+from dflax.target import Target, load_target, weights_fingerprint
 from dflax.train.code_prompts import load_stdlib_prompts, stdlib_version
 from dflax.train.dataset import (
     MANIFEST,
@@ -126,16 +125,11 @@ def load_prompts(config: DataConfig, split: str) -> list[PromptRecord]:
 
 
 def target_fingerprint(target: Target) -> dict[str, str]:
-    """Short sha256 digests of a target's weights (every parameter's path, dtype, shape and bytes) and of
-    its chat template: what the generated sequences depend on besides the recipe."""
-    weights = hashlib.sha256()
-    for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(target.params)[0], key=lambda x: str(x[0])):
-        array = np.asarray(leaf)
-        weights.update(f"{jax.tree_util.keystr(path)}:{array.dtype}:{array.shape}".encode())
-        weights.update(array.tobytes())
+    """Short sha256 digests of a target's weights (`dflax.target.weights_fingerprint`) and of its chat
+    template: what the generated sequences depend on besides the recipe."""
     template = target.tokenizer.chat_template or ""
     return {
-        "weights_sha256": weights.hexdigest()[:16],
+        "weights_sha256": weights_fingerprint(target)[:16],
         "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest()[:16],
     }
 
