@@ -112,6 +112,10 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _compiled(target: Target, proposer: Proposer | None) -> tuple[Callable, Callable]:
     """Jitted prefill and decode loop of a target and drafter (jit keeps one executable per shape)."""
     per_target = _COMPILED.setdefault(target, {})
+    if proposer not in per_target and target.mesh is not None:
+        from dflax.sharding.placement import sharded_generation
+
+        per_target[proposer] = sharded_generation(target.module, _rules(target), proposer)
     if proposer not in per_target:
         prefill_fn = jax.jit(
             functools.partial(prefill, target.module, proposer=proposer),
@@ -123,6 +127,13 @@ def _compiled(target: Target, proposer: Proposer | None) -> tuple[Callable, Call
         )
         per_target[proposer] = (prefill_fn, decode_fn)
     return per_target[proposer]
+
+
+def _rules(target: Target):
+    """The sharding rules of a target loaded on a mesh."""
+    from dflax.sharding import ShardingRules
+
+    return ShardingRules.for_model(target.config, target.mesh)
 
 
 def generate_ids(
@@ -153,6 +164,10 @@ def generate_ids(
     """
     n = len(prompt_ids)
     bucket_b = min(batch_size, _next_pow2(n))
+    if target.mesh is not None:  # rows split evenly over the mesh's `data` axis
+        from dflax.sharding.placement import padded_batch
+
+        bucket_b = padded_batch(bucket_b, _rules(target))
     longest = max(len(ids) for ids in prompt_ids)
     bucket_p = max(_MIN_PROMPT_BUCKET, _next_pow2(longest))
     proposer = drafter.proposer if drafter else None
@@ -170,17 +185,26 @@ def generate_ids(
         lens[r], budgets[r], seeds[r] = len(ids), 1 if warmup else max_new_tokens, row_seeds[r]
     packed = packed_bucket(int(lens.sum()), bucket_b, bucket_p)
     row_keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
-    cache = KVCache.init(target.config, bucket_b, slots, target.cache_dtype)
     eos = jnp.asarray(target.eos_ids, jnp.int32)
+    inputs = (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(budgets), row_keys)
+    if target.mesh is None:
+        cache = KVCache.init(target.config, bucket_b, slots, target.cache_dtype)
+    else:  # rows split over `data`; packed prompts would mix rows of different devices
+        from dflax.sharding.placement import place_replicated, place_rows, sharded_cache
+
+        rules, packed = _rules(target), None
+        cache = sharded_cache(target.config, bucket_b, slots, target.cache_dtype, rules)
+        inputs, (eos, sampling) = place_rows(rules, *inputs), place_replicated(rules, (eos, sampling))
+    prompt_tokens, prompt_lens, budgets_in, row_keys = inputs
 
     prefill_fn, decode_fn = _compiled(target, proposer)
     t0 = time.perf_counter()
     state = prefill_fn(
         target.params,
-        jnp.asarray(tokens),
-        jnp.asarray(lens),
+        prompt_tokens,
+        prompt_lens,
         cache,
-        jnp.asarray(budgets),
+        budgets_in,
         row_keys,
         eos,
         sampling,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from dflax.checkpoints.gguf_file import read_gguf
 from dflax.checkpoints.hf_dir import read_hf_dir
@@ -30,6 +31,7 @@ class Target:
       tokenizer: its tokenizer and chat template.
       module: the Flax module that runs it.
       cache_dtype: dtype of its KV cache (the parameter dtype unless asked otherwise).
+      mesh: the (data, model) device mesh its parameters are sharded over (None: one device).
     """
 
     name: str
@@ -38,6 +40,7 @@ class Target:
     tokenizer: Tokenizer
     module: Transformer
     cache_dtype: jnp.dtype
+    mesh: Mesh | None = None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -60,6 +63,7 @@ def load_target(
     dtype: str | None = None,
     attention_backend: str = "auto",
     cache_dtype: str | None = None,
+    mesh: Mesh | str | None = None,
 ) -> Target:
     """Loads a target model and its tokenizer, offline.
 
@@ -71,6 +75,9 @@ def load_target(
         "pallas_interpret" (see `dflax.models.attention.AttentionConfig`).
       cache_dtype: KV cache dtype, one of the dtype names; None = `dtype` (bfloat16 on TPU/GPU). A
         bfloat16 cache under a float32 model halves the cache's memory and reads.
+      mesh: shard over a device mesh: a `dflax.sharding.make_mesh` Mesh or "data=D,model=M" (the first
+        D * M devices). Parameters split over `model` by `dflax.sharding.rules`, batch rows over `data`;
+        generation then runs on the mesh and gives the one-device tokens. None: one device.
 
     Returns:
       The loaded Target.
@@ -95,4 +102,10 @@ def load_target(
     jdtype = _DTYPES[dtype]
     params = to_params(config, tensors, jdtype)
     module = Transformer(config, dtype=jdtype, attention_backend=attention_backend)
-    return Target(str(name_or_path), config, params, tokenizer, module, _DTYPES[cache_dtype])
+    if mesh is not None:
+        from dflax.sharding import ShardingRules, make_mesh
+        from dflax.sharding.placement import shard_params
+
+        mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+        params = shard_params(params, ShardingRules.for_model(config, mesh))
+    return Target(str(name_or_path), config, params, tokenizer, module, _DTYPES[cache_dtype], mesh)

@@ -112,6 +112,11 @@ def load_drafter(
     module = DFlashDrafter(config, dtype, target.module.attention_backend)
     if params is None:
         params = init_drafter_params(module, seed)
+    if target.mesh is not None:  # split like the target's layers (dflax.sharding.rules)
+        from dflax.sharding import ShardingRules
+        from dflax.sharding.placement import shard_params
+
+        params = shard_params(params, ShardingRules.for_model(config.layers, target.mesh))
     proposer = DFlashProposer(
         module, target.module, block_size or config.block_size, draft_sampling, draft_vocab
     )
