@@ -64,32 +64,53 @@ def _constrained(rules: ShardingRules, fn: Callable) -> Callable:
     return wrapped
 
 
-def _under_mesh(mesh: jax.sharding.Mesh, jitted: Callable) -> Callable:
-    """Calls (and so traces) `jitted` with the mesh active, where attention finds it."""
+class MeshJit:
+    """A jitted function that is called, traced and lowered with its mesh active (attention finds the mesh
+    there, see dflax.sharding.attention)."""
 
-    def call(*args, **kwargs):
-        with jax.set_mesh(mesh):
-            return jitted(*args, **kwargs)
+    def __init__(self, mesh: jax.sharding.Mesh, jitted: Callable):
+        self.mesh, self.jitted = mesh, jitted
 
-    return call
+    def __call__(self, *args, **kwargs):
+        """Runs the jitted function on the mesh."""
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+        """Lowers it for these arguments (`.compile().input_shardings` shows where each input lives)."""
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*args, **kwargs)
 
 
-def sharded_generation(model, rules: ShardingRules, proposer=None) -> tuple[Callable, Callable]:
+def sharded_prefill(model, rules: ShardingRules, proposer=None, **fixed) -> MeshJit:
+    """`dflax.decoding.prefill` jitted for arguments placed on `rules.mesh` (the cache donated); `fixed`
+    binds keyword arguments (max_tokens, packed_tokens), the others stay static."""
+    return MeshJit(
+        rules.mesh,
+        jax.jit(
+            _constrained(rules, functools.partial(prefill, model, proposer=proposer, **fixed)),
+            static_argnames=tuple({"max_tokens", "packed_tokens"} - set(fixed)),
+            donate_argnames=("cache",),
+        ),
+    )
+
+
+def sharded_state_step(step: Callable, model, rules: ShardingRules, proposer=None) -> MeshJit:
+    """step(model, params, state, sampling, drafter_params, proposer) -> state (`decode_step` or
+    `decode_loop`) jitted on `rules.mesh`, its state donated and kept split by row in and out."""
+
+    def run(params, state, sampling, drafter_params=None):
+        state = jax.lax.with_sharding_constraint(state, rules.state_shardings(state))
+        return step(model, params, state, sampling, drafter_params, proposer)
+
+    return MeshJit(rules.mesh, jax.jit(_constrained(rules, run), donate_argnames=("state",)))
+
+
+def sharded_generation(model, rules: ShardingRules, proposer=None) -> tuple[MeshJit, MeshJit]:
     """The jitted prefill and decode loop of `dflax.generation`, for arguments placed on `rules.mesh`.
 
     Same signatures as the single-device pair: prefill_fn(params, tokens, lens, cache, budgets, row_keys,
     eos, sampling, drafter_params, *, max_tokens, packed_tokens) and decode_fn(params, state, sampling,
     drafter_params); the cache and state are donated.
     """
-    prefill_fn = jax.jit(
-        _constrained(rules, functools.partial(prefill, model, proposer=proposer)),
-        static_argnames=("max_tokens", "packed_tokens"),
-        donate_argnames=("cache",),
-    )
-
-    def loop(params, state, sampling, drafter_params=None):
-        state = jax.lax.with_sharding_constraint(state, rules.state_shardings(state))
-        return decode_loop(model, params, state, sampling, drafter_params, proposer)
-
-    decode_fn = jax.jit(_constrained(rules, loop), donate_argnames=("state",))
-    return _under_mesh(rules.mesh, prefill_fn), _under_mesh(rules.mesh, decode_fn)
+    return sharded_prefill(model, rules, proposer), sharded_state_step(decode_loop, model, rules, proposer)
