@@ -16,6 +16,7 @@ from dflax.checkpoints.registry import resolve
 from dflax.checkpoints.tokenizer import Tokenizer
 from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
+from dflax.sharding import ShardingRules, make_mesh
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -92,6 +93,8 @@ def load_target(
     for name, value in (("dtype", dtype), ("cache_dtype", cache_dtype)):
         if value not in _DTYPES:
             raise ValueError(f"{name} {value!r} unknown; choose one of {', '.join(_DTYPES)}")
+    if isinstance(mesh, str):
+        mesh = make_mesh(mesh)  # a bad mesh fails before any weights are read
     kind, path = resolve(name_or_path)
     if kind == "gguf":
         config, tensors = read_gguf(path)
@@ -100,12 +103,12 @@ def load_target(
         config, tensors = read_hf_dir(path)
         tokenizer = Tokenizer.from_hf_dir(path)
     jdtype = _DTYPES[dtype]
-    params = to_params(config, tensors, jdtype)
     module = Transformer(config, dtype=jdtype, attention_backend=attention_backend)
-    if mesh is not None:
-        from dflax.sharding import ShardingRules, make_mesh
+    if mesh is None:
+        params = to_params(config, tensors, jdtype)
+    else:  # from host memory straight into the shards: a target larger than one device still loads
         from dflax.sharding.placement import shard_params
 
-        mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
-        params = shard_params(params, ShardingRules.for_model(config, mesh))
+        rules = ShardingRules.for_model(config, mesh)
+        params = shard_params(to_params(config, tensors, jdtype, on_host=True), rules)
     return Target(str(name_or_path), config, params, tokenizer, module, _DTYPES[cache_dtype], mesh)
