@@ -20,6 +20,14 @@ import numpy as np
 from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import Proposer, decode_loop, prefill
 from dflax.decoding.sampling import SamplingParams
+from dflax.sharding import ShardingRules
+from dflax.sharding.placement import (
+    padded_batch,
+    place_replicated,
+    place_rows,
+    sharded_cache,
+    sharded_generation,
+)
 from dflax.target import Target
 
 if TYPE_CHECKING:
@@ -113,8 +121,6 @@ def _compiled(target: Target, proposer: Proposer | None) -> tuple[Callable, Call
     """Jitted prefill and decode loop of a target and drafter (jit keeps one executable per shape)."""
     per_target = _COMPILED.setdefault(target, {})
     if proposer not in per_target and target.mesh is not None:
-        from dflax.sharding.placement import sharded_generation
-
         per_target[proposer] = sharded_generation(target.module, _rules(target), proposer)
     if proposer not in per_target:
         prefill_fn = jax.jit(
@@ -129,10 +135,8 @@ def _compiled(target: Target, proposer: Proposer | None) -> tuple[Callable, Call
     return per_target[proposer]
 
 
-def _rules(target: Target):
+def _rules(target: Target) -> ShardingRules:
     """The sharding rules of a target loaded on a mesh."""
-    from dflax.sharding import ShardingRules
-
     return ShardingRules.for_model(target.config, target.mesh)
 
 
@@ -165,8 +169,6 @@ def generate_ids(
     n = len(prompt_ids)
     bucket_b = min(batch_size, _next_pow2(n))
     if target.mesh is not None:  # rows split evenly over the mesh's `data` axis
-        from dflax.sharding.placement import padded_batch
-
         bucket_b = padded_batch(bucket_b, _rules(target))
     longest = max(len(ids) for ids in prompt_ids)
     bucket_p = max(_MIN_PROMPT_BUCKET, _next_pow2(longest))
@@ -190,8 +192,6 @@ def generate_ids(
     if target.mesh is None:
         cache = KVCache.init(target.config, bucket_b, slots, target.cache_dtype)
     else:  # rows split over `data`; packed prompts would mix rows of different devices
-        from dflax.sharding.placement import place_replicated, place_rows, sharded_cache
-
         rules, packed = _rules(target), None
         cache = sharded_cache(target.config, bucket_b, slots, target.cache_dtype, rules)
         inputs, (eos, sampling) = place_rows(rules, *inputs), place_replicated(rules, (eos, sampling))

@@ -17,6 +17,7 @@ from dflax.checkpoints.tokenizer import Tokenizer
 from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
 from dflax.sharding import ShardingRules, make_mesh
+from dflax.sharding.placement import shard_params
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -107,8 +108,6 @@ def load_target(
     if mesh is None:
         params = to_params(config, tensors, jdtype)
     else:  # from host memory straight into the shards: a target larger than one device still loads
-        from dflax.sharding.placement import shard_params
-
         rules = ShardingRules.for_model(config, mesh)
         params = shard_params(to_params(config, tensors, jdtype, on_host=True), rules)
     return Target(str(name_or_path), config, params, tokenizer, module, _DTYPES[cache_dtype], mesh)
