@@ -1,7 +1,7 @@
 """dflax: lossless speculative decoding with diffusion-style drafters, in JAX/Flax.
 
 Public API:
-  load_target(name_or_path, dtype=None)  -> Target
+  load_target(name_or_path, dtype=None, mesh=None) -> Target (mesh: "data=D,model=M" or make_mesh(...))
   load_drafter(path_or_name, target, ...)-> Drafter (DFlash)
   prompt_lookup(block_size=...)          -> LookupDrafter (training-free prompt lookup)
   generate(target, prompts, drafter=None, tree_budget=None, ...) -> list[GenerationResult]
@@ -14,6 +14,7 @@ from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import Drafter, DraftSampling, LookupDrafter, load_drafter, prompt_lookup
 from dflax.generation import GenerationResult, PromptTooLongError, generate
 from dflax.models.config import ModelConfig, UnsupportedArchitectureError
+from dflax.sharding import MeshShape, make_mesh
 from dflax.target import Target, load_target
 
 __all__ = [
@@ -31,4 +32,6 @@ __all__ = [
     "enable_compilation_cache",
     "generate",
     "load_target",
+    "make_mesh",
+    "MeshShape",
 ]

@@ -219,6 +219,7 @@ def run_bench(
     cost_curve: bool = False,
     cost_curve_sizes: tuple[int, ...] = COST_CURVE_SIZES,
     console=None,
+    mesh: str | None = None,
 ) -> dict[str, Any]:
     """Benchmarks methods back to back on the same prompts and target.
 
@@ -243,6 +244,7 @@ def run_bench(
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
       console: optional rich console for progress.
+      mesh: "data=D,model=M" to run dflax's methods sharded over that device mesh (see dflax.sharding).
 
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
@@ -260,7 +262,7 @@ def run_bench(
     if bad:
         raise ValueError(f"{prompts}: malformed lines: " + "; ".join(map(str, bad)))
     records = records[:limit]
-    loaded = load_target(target)
+    loaded = load_target(target, mesh=mesh)
     context = loaded.config.max_position_embeddings
     prompt_ids = [
         fit_to_context(encode_prompt(loaded, r.prompt), max_new_tokens, context, False, str(r.id))
@@ -342,6 +344,7 @@ def run_bench(
         "batch_sizes": batch_sizes,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
+        "mesh": mesh,
         "drafter": spec.name if spec else None,
         "block_sizes": sizes,
         "tree_budgets": tree_budgets or [0],

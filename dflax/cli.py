@@ -149,7 +149,13 @@ def _read_recipe(cls, path: Path, label: str, **overrides):
         _fail(f"{label}: {e}")
 
 
-def _load(target: str, dtype: str | None):
+_MESH_HELP = (
+    "shard over a device mesh, data=D,model=M: batch rows split D ways (a batch is padded to a multiple of "
+    "D), heads, FFN and vocabulary M ways (tensor parallel); the tokens equal a one-device run"
+)
+
+
+def _load(target: str, dtype: str | None, mesh: str | None = None):
     from dflax.checkpoints.model_files import enable_compilation_cache
     from dflax.target import load_target
 
@@ -159,11 +165,13 @@ def _load(target: str, dtype: str | None):
     with console.status(f"loading {target} ..."):
         t0 = time.perf_counter()
         try:
-            loaded = load_target(target, dtype=dtype)
+            loaded = load_target(target, dtype=dtype, mesh=mesh)
         except (ValueError, FileNotFoundError) as e:
             _fail(str(e))
+    on = f" on mesh {mesh}" if mesh else ""
     console.print(
-        f"loaded {target} ({loaded.config.arch}, {loaded.dtype.__name__}) in {time.perf_counter() - t0:.1f}s"
+        f"loaded {target} ({loaded.config.arch}, {loaded.dtype.__name__}){on} in "
+        f"{time.perf_counter() - t0:.1f}s"
     )
     return loaded
 
@@ -215,6 +223,7 @@ def generate(
         1, help="split --prompts into K shards by id (one process per shard, each with its own --out)"
     ),
     shard_index: int = typer.Option(0, help="which shard this process generates (0 .. K-1)"),
+    mesh: str = typer.Option(None, help=_MESH_HELP),
 ) -> None:
     """Generate completions for prompts given as arguments or in a JSONL file."""
     from dflax.generation import generate as run_generate
@@ -262,7 +271,7 @@ def generate(
         console.print(f"{out}: {len(records) - len(todo)} of {len(records)} prompts already done, resuming")
 
     fixed_block = _block_size_value(block_size) if block_size else None
-    loaded = _load(target, dtype)
+    loaded = _load(target, dtype, mesh)
     spec_drafter = _load_drafter(
         method, drafter, loaded, fixed_block if fixed_block != "auto" else None, draft_sampling, tree_budget
     )
@@ -317,7 +326,7 @@ def generate(
                 row_seeds=[row_seed(seed, r.id) for r in todo],
                 on_result=on_result,
                 drafter=spec_drafter,
-                refill_every=refill_every or None,
+                refill_every=None if mesh else refill_every or None,  # static batches on a mesh
             )
     except ValueError as e:
         _fail(str(e))
@@ -367,6 +376,7 @@ def bench(
     plot: Path = typer.Option(
         None, "--plot", help="draw accepted lengths, tau/speedup per block size and the cost curve (PNG)"
     ),
+    mesh: str = typer.Option(None, help=_MESH_HELP),
 ) -> None:
     """Measure decode tokens/s of methods on one prompt set, back to back in one run."""
     from dflax.bench import BENCH_METHODS, run_bench
@@ -411,6 +421,7 @@ def bench(
             draft_sampling=draft_sampling,
             cost_curve=cost_curve,
             console=console,
+            mesh=mesh,
         )
     except (ValueError, ImportError, FileNotFoundError) as e:
         _fail(str(e))
@@ -519,26 +530,57 @@ def pipeline_command(
 def plan_command(
     model: str = typer.Option(
         "smollm2-135m",
-        help="preset (smollm2-135m, gemma3-270m, qwen3-8b), " + _TARGET_HELP + " or config.json",
+        help="preset (smollm2-135m, gemma3-270m, qwen3-8b, llama-3.1-8b), "
+        + _TARGET_HELP
+        + " or config.json",
     ),
     drafter: str = typer.Option(
         None,
         help="'none' (plain decoding), 'untrained', 'shipped' or a drafter directory; default: the preset's",
     ),
-    topology: str = typer.Option("v5e:2x2", help="TPU topology compiled for (one device of it)"),
-    batch: int = typer.Option(1, help="rows decoded together"),
+    topology: str = typer.Option(
+        None,
+        help="TPU topology compiled for (default v5e:2x2, one device of it; with --mesh the v5e slice "
+        "of --devices chips)",
+    ),
+    mesh: str = typer.Option(
+        None, help="data=D,model=M: compile sharded over D * M devices and report bytes per device"
+    ),
+    platform: str = typer.Option("tpu", help="with --mesh: tpu or cuda"),
+    devices: int = typer.Option(None, help="with --mesh: abstract devices (default D * M)"),
+    card: str = typer.Option("h100", help="with --platform cuda: h100 or a100"),
+    batch: int = typer.Option(1, help="rows decoded together (with --mesh padded to a multiple of D)"),
     prompt_len: int = typer.Option(1024, help="prompt bucket (tokens per row in prefill)"),
     max_new_tokens: int = typer.Option(256, help="new-token budget per row"),
     block_size: int = typer.Option(16, help="tokens verified per step with a drafter"),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32"),
-    attention_backend: str = typer.Option("pallas", help="pallas (the TPU kernel) or reference"),
-    stages: str = typer.Option("prefill,decode_step,decode_loop", help="comma-separated stages to compile"),
+    attention_backend: str = typer.Option("pallas", help="pallas (the TPU/GPU kernel) or reference"),
+    stages: str = typer.Option(
+        None,
+        help="comma-separated stages to compile (prefill, decode_step, decode_loop); default all, "
+        "with --mesh decode_step",
+    ),
 ) -> None:
-    """Compile generation for a TPU on this machine (no TPU needed) and print the compiler's numbers."""
-    from dflax.aot import StepShape, TpuCompilerUnavailableError, markdown_table, plan
+    """Compile generation for TPUs or GPUs on this machine (no chip needed); print the compiler's numbers."""
+    from dflax.aot import STAGES, StepShape, TpuCompilerUnavailableError, markdown_table, plan
+    from dflax.aot.gpu import GpuCompilerUnavailableError
+    from dflax.aot.sharded_plan import plan_sharded, sharded_table
 
+    chosen = tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else None
     try:
         shape = StepShape(batch, prompt_len, max_new_tokens, block_size)
+        if mesh:
+            with console.status(f"compiling {model} for {devices or 'the mesh of'} {platform} devices ..."):
+                chip, shape, rows = plan_sharded(
+                    model, mesh=mesh, platform=platform, devices=devices, topology=topology, card=card,
+                    drafter=drafter, shape=shape, dtype=dtype, attention_backend=attention_backend,
+                    stages=chosen or ("decode_step",),
+                )  # fmt: skip
+            console.print(f"{chip.name}, batch {shape.batch}, prompt bucket {shape.prompt_len}, budget "
+                          f"{shape.max_new_tokens}, block {shape.block_size}")  # fmt: skip
+            print(sharded_table(model, mesh, chip, rows))
+            return
+        topology = topology or "v5e:2x2"
         with console.status(f"compiling {model} for {topology} ..."):
             rows = plan(
                 model,
@@ -547,8 +589,8 @@ def plan_command(
                 shape=shape,
                 dtype=dtype,
                 attention_backend=attention_backend,
-                stages=tuple(s.strip() for s in stages.split(",") if s.strip()),
+                stages=chosen or STAGES,
             )
-    except (TpuCompilerUnavailableError, ValueError, FileNotFoundError) as e:
+    except (TpuCompilerUnavailableError, GpuCompilerUnavailableError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
     print(markdown_table(rows))

@@ -20,6 +20,14 @@ import numpy as np
 from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import Proposer, decode_loop, prefill
 from dflax.decoding.sampling import SamplingParams
+from dflax.sharding import ShardingRules
+from dflax.sharding.placement import (
+    padded_batch,
+    place_replicated,
+    place_rows,
+    sharded_cache,
+    sharded_generation,
+)
 from dflax.target import Target
 
 if TYPE_CHECKING:
@@ -127,6 +135,8 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def compiled_programs(target: Target, proposer: Proposer | None) -> tuple[Callable, Callable]:
     """Jitted prefill and decode loop of a target and drafter (jit keeps one executable per shape)."""
     per_target = _COMPILED.setdefault(target, {})
+    if proposer not in per_target and target.mesh is not None:
+        per_target[proposer] = sharded_generation(target.module, _rules(target), proposer)
     if proposer not in per_target:
         prefill_fn = jax.jit(
             functools.partial(prefill, target.module, proposer=proposer),
@@ -138,6 +148,11 @@ def compiled_programs(target: Target, proposer: Proposer | None) -> tuple[Callab
         )
         per_target[proposer] = (prefill_fn, decode_fn)
     return per_target[proposer]
+
+
+def _rules(target: Target) -> ShardingRules:
+    """The sharding rules of a target loaded on a mesh."""
+    return ShardingRules.for_model(target.config, target.mesh)
 
 
 def generate_ids(
@@ -168,6 +183,8 @@ def generate_ids(
     """
     n = len(prompt_ids)
     bucket_b = min(batch_size, _next_pow2(n))
+    if target.mesh is not None:  # rows split evenly over the mesh's `data` axis
+        bucket_b = padded_batch(bucket_b, _rules(target))
     bucket_p = prompt_bucket(max(len(ids) for ids in prompt_ids))
     proposer = drafter.proposer if drafter else None
     drafter_params = drafter.params if drafter else None
@@ -182,17 +199,24 @@ def generate_ids(
         lens[r], budgets[r], seeds[r] = len(ids), 1 if warmup else max_new_tokens, row_seeds[r]
     packed = packed_bucket(int(lens.sum()), bucket_b, bucket_p)
     row_keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
-    cache = KVCache.init(target.config, bucket_b, slots, target.cache_dtype)
     eos = jnp.asarray(target.eos_ids, jnp.int32)
+    inputs = (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(budgets), row_keys)
+    if target.mesh is None:
+        cache = KVCache.init(target.config, bucket_b, slots, target.cache_dtype)
+    else:  # rows split over `data`; packed prompts would mix rows of different devices
+        rules, packed = _rules(target), None
+        cache = sharded_cache(target.config, bucket_b, slots, target.cache_dtype, rules)
+        inputs, (eos, sampling) = place_rows(rules, *inputs), place_replicated(rules, (eos, sampling))
+    prompt_tokens, prompt_lens, budgets_in, row_keys = inputs
 
     prefill_fn, decode_fn = compiled_programs(target, proposer)
     t0 = time.perf_counter()
     state = prefill_fn(
         target.params,
-        jnp.asarray(tokens),
-        jnp.asarray(lens),
+        prompt_tokens,
+        prompt_lens,
         cache,
-        jnp.asarray(budgets),
+        budgets_in,
         row_keys,
         eos,
         sampling,
@@ -314,6 +338,10 @@ def generate(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
     if refill_every is not None and refill_every < 1:
         raise ValueError(f"refill_every must be a positive number of steps (or None), got {refill_every}")
+    if refill_every is not None and target.mesh is not None:
+        raise ValueError(
+            "continuous batching (refill_every) does not run on a mesh yet; use refill_every=None"
+        )
     sampling = SamplingParams.make(temperature, top_k, top_p)
     if tree_budget is not None:
         if drafter is None:

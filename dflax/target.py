@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from dflax.checkpoints.gguf_file import read_gguf
 from dflax.checkpoints.hf_dir import read_hf_dir
@@ -17,6 +18,8 @@ from dflax.checkpoints.registry import resolve
 from dflax.checkpoints.tokenizer import Tokenizer
 from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
+from dflax.sharding import ShardingRules, make_mesh
+from dflax.sharding.placement import shard_params
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -32,6 +35,7 @@ class Target:
       tokenizer: its tokenizer and chat template.
       module: the Flax module that runs it.
       cache_dtype: dtype of its KV cache (the parameter dtype unless asked otherwise).
+      mesh: the (data, model) device mesh its parameters are sharded over (None: one device).
     """
 
     name: str
@@ -40,6 +44,7 @@ class Target:
     tokenizer: Tokenizer
     module: Transformer
     cache_dtype: jnp.dtype
+    mesh: Mesh | None = None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -76,6 +81,7 @@ def load_target(
     dtype: str | None = None,
     attention_backend: str = "auto",
     cache_dtype: str | None = None,
+    mesh: Mesh | str | None = None,
 ) -> Target:
     """Loads a target model and its tokenizer, offline.
 
@@ -87,6 +93,9 @@ def load_target(
         "pallas_interpret" (see `dflax.models.attention.AttentionConfig`).
       cache_dtype: KV cache dtype, one of the dtype names; None = `dtype` (bfloat16 on TPU/GPU). A
         bfloat16 cache under a float32 model halves the cache's memory and reads.
+      mesh: shard over a device mesh: a `dflax.sharding.make_mesh` Mesh or "data=D,model=M" (the first
+        D * M devices). Parameters split over `model` by `dflax.sharding.rules`, batch rows over `data`;
+        generation then runs on the mesh and gives the one-device tokens. None: one device.
 
     Returns:
       The loaded Target.
@@ -101,6 +110,8 @@ def load_target(
     for name, value in (("dtype", dtype), ("cache_dtype", cache_dtype)):
         if value not in _DTYPES:
             raise ValueError(f"{name} {value!r} unknown; choose one of {', '.join(_DTYPES)}")
+    if isinstance(mesh, str):
+        mesh = make_mesh(mesh)  # a bad mesh fails before any weights are read
     kind, path = resolve(name_or_path)
     if kind == "gguf":
         config, tensors = read_gguf(path)
@@ -109,6 +120,10 @@ def load_target(
         config, tensors = read_hf_dir(path)
         tokenizer = Tokenizer.from_hf_dir(path)
     jdtype = _DTYPES[dtype]
-    params = to_params(config, tensors, jdtype)
     module = Transformer(config, dtype=jdtype, attention_backend=attention_backend)
-    return Target(str(name_or_path), config, params, tokenizer, module, _DTYPES[cache_dtype])
+    if mesh is None:
+        params = to_params(config, tensors, jdtype)
+    else:  # from host memory straight into the shards: a target larger than one device still loads
+        rules = ShardingRules.for_model(config, mesh)
+        params = shard_params(to_params(config, tensors, jdtype, on_host=True), rules)
+    return Target(str(name_or_path), config, params, tokenizer, module, _DTYPES[cache_dtype], mesh)

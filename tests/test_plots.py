@@ -88,9 +88,7 @@ def test_cost_curve_plots_the_measured_verify_times_against_the_roofline_floor(r
     verify, floor, draft = ax.lines
     curve, roofline = report["cost_curve"], report["roofline"]
     assert list(verify.get_xdata()) == list(COST_SIZES)
-    np.testing.assert_allclose(
-        verify.get_ydata(), [curve["verify_s"][str(n)] * 1e3 for n in COST_SIZES]
-    )
+    np.testing.assert_allclose(verify.get_ydata(), [curve["verify_s"][str(n)] * 1e3 for n in COST_SIZES])
     per_row = roofline["matmul_s"] / roofline["matmul_rows"]
     expected_floor = [max(roofline["weight_pass_s"], n * per_row) * 1e3 for n in COST_SIZES]
     np.testing.assert_allclose(floor.get_ydata(), expected_floor)

@@ -50,6 +50,13 @@ def hf_config(name: str):
         return Qwen2Config(**_COMMON, tie_word_embeddings=False, rope_theta=1000000.0)
     if name == "qwen3":
         return Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)
+    if name == "qwen3-8kv":  # 8 KV heads: heads, KV heads, FFN and vocabulary all split over 8 devices
+        return Qwen3Config(
+            **{**_COMMON, "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 128},
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        )
     if name == "gemma3":
         return Gemma3TextConfig(
             **{**_COMMON, "num_hidden_layers": 4, "num_key_value_heads": 1},
@@ -67,7 +74,7 @@ def hf_config(name: str):
     raise KeyError(name)
 
 
-TINY_ARCHS = ("llama", "llama3-scaled-rope", "smollm2-like", "qwen2", "qwen3", "gemma3")
+TINY_ARCHS = ("llama", "llama3-scaled-rope", "smollm2-like", "qwen2", "qwen3", "qwen3-8kv", "gemma3")
 
 
 def build_hf_model(name: str, seed: int = 0):

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for TPUs on a machine without them (libtpu's deviceless compile).
+"""Ahead-of-time compilation for TPUs (and GPUs) on a machine without them (deviceless compiles).
 
 The TPU compiler, Mosaic included, runs on this host: kernels and whole generation programs are compiled
 for a named TPU topology from shapes alone, and the compiler reports their memory and cost.
@@ -8,6 +8,7 @@ from dflax.aot.generation import STAGES, CompiledStage, StepShape, compile_gener
 from dflax.aot.models import PRESETS, ModelPlan, model_plan
 from dflax.aot.plan import plan
 from dflax.aot.report import CompiledNumbers, markdown_table
+from dflax.aot.sharded_plan import StagePlan, plan_sharded, sharded_table
 from dflax.aot.topology import TpuCompilerUnavailableError, on_device, tpu_topology
 
 __all__ = [
@@ -27,4 +28,8 @@ __all__ = [
     "plan",
     "CompiledNumbers",
     "markdown_table",
+    # Sharded over a mesh of abstract devices (`dflax plan --mesh`).
+    "plan_sharded",
+    "StagePlan",
+    "sharded_table",
 ]

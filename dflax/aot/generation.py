@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from dflax.aot.models import ModelPlan
 from dflax.aot.topology import on_device
@@ -22,6 +23,8 @@ from dflax.decoding.decode import decode_loop, decode_step, prefill
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, DraftSampling, init_drafter_params
 from dflax.models.transformer import Transformer
+from dflax.sharding import ShardingRules, mesh_shape
+from dflax.sharding.placement import sharded_prefill, sharded_state_step
 
 STAGES = ("prefill", "decode_step", "decode_loop")
 
@@ -84,18 +87,22 @@ def _target_params(module: Transformer) -> dict:
 def compile_generation(
     plan: ModelPlan,
     shape: StepShape,
-    device: jax.Device,
+    device: jax.Device | None = None,
     *,
+    mesh: Mesh | None = None,
     dtype: jnp.dtype = jnp.bfloat16,
     attention_backend: str = "pallas",
     stages: tuple[str, ...] = STAGES,
 ) -> dict[str, CompiledStage]:
-    """Compiles the prefill, one decode step and the decode loop of a target (+ drafter) for `device`.
+    """Compiles the prefill, one decode step and the decode loop of a target (+ drafter) for `device`, or
+    sharded over `mesh` as `dflax.generation` runs a target loaded on a mesh.
 
     Args:
       plan: the target and drafter configs (see `dflax.aot.models.model_plan`).
-      shape: batch, prompt bucket, budget and block size.
+      shape: batch, prompt bucket, budget and block size (the batch must divide over the mesh's `data`).
       device: the device compiled for, e.g. `tpu_topology("v5e:2x2").devices[0]`.
+      mesh: instead of `device`, a (data, model) mesh of devices to compile for (`dflax.sharding.make_mesh`
+        over a topology's devices); parameters, caches and rows are placed by `dflax.sharding.rules`.
       dtype: parameter, cache and activation dtype.
       attention_backend: a `dflax.models.attention` setting; "pallas" means the kernel of device's platform.
       stages: which of STAGES to compile.
@@ -106,6 +113,10 @@ def compile_generation(
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise ValueError(f"unknown stages {sorted(unknown)}; choose from {STAGES}")
+    if (device is None) == (mesh is None):
+        raise ValueError("compile for one device or for a mesh: give exactly one of device and mesh")
+    if mesh is not None:
+        return _compile_on_mesh(plan, shape, mesh, dtype, attention_backend, stages)
     backend = kernel_setting(attention_backend, device.platform)
     target = Transformer(plan.target, dtype=dtype, attention_backend=backend)
     proposer, drafter_params = None, None
@@ -146,5 +157,64 @@ def compile_generation(
         if stage in stages:
             jitted = jax.jit(functools.partial(fn, target, proposer=proposer), donate_argnames=("state",))
             lowered = jitted.lower(params, state, sampling, drafter_args)
+            out[stage] = CompiledStage(lowered, lowered.compile())
+    return out
+
+
+def _placed(tree, shardings):
+    """ShapeDtypeStructs of a pytree's arrays carrying the matching shardings, or one sharding for all
+    (nothing is allocated)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _compile_on_mesh(plan, shape, mesh, dtype, attention_backend, stages) -> dict[str, CompiledStage]:
+    """`compile_generation` over a mesh: the sharded programs of dflax.sharding.placement."""
+    data = mesh_shape(mesh).data
+    if shape.batch % data:
+        raise ValueError(f"batch {shape.batch} does not split over data={data}; use a multiple of {data}")
+    backend = kernel_setting(attention_backend, mesh.devices.flat[0].platform)
+    target = Transformer(plan.target, dtype=dtype, attention_backend=backend)
+    rules = ShardingRules.for_model(plan.target, mesh)
+    proposer, drafter_params = None, None
+    if plan.drafter is not None:
+        drafter = DFlashDrafter(plan.drafter, dtype, backend)
+        drafter_params = jax.eval_shape(
+            lambda: init_drafter_params(drafter.clone(attention_backend="reference"))
+        )
+        drafter_params = _placed(
+            drafter_params, ShardingRules.for_model(plan.drafter.layers, mesh).param_shardings(drafter_params)
+        )
+        proposer = DFlashProposer(drafter, target, shape.block_size, DraftSampling(), plan.draft_vocab)
+    b, p = shape.batch, shape.prompt_len
+    num_draft = proposer.num_draft if proposer else 0
+    eos = max(1, len(plan.target.eos_token_ids))
+    params = _target_params(target)
+    cache = jax.eval_shape(lambda: KVCache.init(plan.target, b, shape.slots(num_draft), dtype))
+    rows = rules.rows()
+    sampling = _placed(jax.eval_shape(SamplingParams.make), rules.replicated())
+    args = (
+        _placed(params, rules.param_shardings(params)),
+        jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows),  # prompt tokens [B, P]
+        jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows),  # prompt lengths [B]
+        _placed(cache, rules.state_shardings(cache)),
+        jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows),  # budgets [B]
+        _placed(jax.eval_shape(lambda: jax.vmap(jax.random.key)(jnp.zeros((b,), jnp.uint32))), rows),
+        jax.ShapeDtypeStruct((eos,), jnp.int32, sharding=rules.replicated()),  # eos ids [E]
+        sampling,
+        drafter_params,
+    )
+    prefill_fn = sharded_prefill(target, rules, proposer, max_tokens=shape.max_new_tokens)
+    out = {}
+    if "prefill" in stages:
+        lowered = prefill_fn.lower(*args)
+        out["prefill"] = CompiledStage(lowered, lowered.compile())
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(prefill_fn.jitted, *args)
+    state = _placed(state, rules.state_shardings(state))
+    for stage, fn in (("decode_step", decode_step), ("decode_loop", decode_loop)):
+        if stage in stages:
+            lowered = sharded_state_step(fn, target, rules, proposer).lower(args[0], state, sampling, args[8])
             out[stage] = CompiledStage(lowered, lowered.compile())
     return out

@@ -95,8 +95,8 @@ GPUS = {
 
 
 @functools.cache
-def gpu_topology(card: str = "h100") -> Any:
-    """One GPU of a named card (see GPUS), for compiling only.
+def gpu_topology(card: str = "h100", devices: int = 1) -> Any:
+    """`devices` GPUs of a named card (see GPUS) on one host, for compiling only.
 
     Raises:
       GpuCompilerUnavailableError: when the CUDA plugin is missing or refuses to start, naming the fix.
@@ -109,7 +109,7 @@ def gpu_topology(card: str = "h100") -> Any:
         )
     try:
         return topologies.get_topology_desc(
-            platform="cuda", topology="1x1x1", target_config=GPUS[card].target_config()
+            platform="cuda", topology=f"1x1x{devices}", target_config=GPUS[card].target_config()
         )
     except Exception as e:  # the plugin reports a failed start as several exception types
         raise GpuCompilerUnavailableError(f"the CUDA plugin could not describe a {card}: {e}") from e

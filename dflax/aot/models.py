@@ -26,6 +26,9 @@ PRESETS = {
     "smollm2-135m": ("smollm2-135m", "shipped"),
     "gemma3-270m": ("gemma3-270m", "untrained"),
     "qwen3-8b": (str(_CONFIGS / "models" / "qwen3-8b"), str(_CONFIGS / "drafters" / "dflash-qwen3-8b")),
+    # Llama-3.1-8B-Instruct's public config.json; no official DFlash config is kept here, so the drafter is
+    # dflax's default DFlash shape for the target (DFlashConfig.for_target), not the published one.
+    "llama-3.1-8b": (str(_CONFIGS / "models" / "llama-3.1-8b"), "untrained"),
 }
 
 

@@ -68,6 +68,7 @@ def map_tensors(
     dtype: jnp.dtype,
     what: str,
     ignore: tuple[tuple[str, ...], ...] = (),
+    on_host: bool = False,
 ) -> dict:
     """Builds a parameter tree from HF-named tensors, checked against a module's parameter shapes.
 
@@ -77,6 +78,8 @@ def map_tensors(
       dtype: parameter dtype.
       what: the model's name for error messages.
       ignore: parameter paths that may be present in a checkpoint and are dropped.
+      on_host: keep the parameters as host numpy arrays (to be placed in shards on a mesh, never whole on
+        one device) instead of device arrays.
 
     Returns:
       {"params": ...}.
@@ -98,7 +101,7 @@ def map_tensors(
                 f"tensor {name} has shape {tuple(value.shape)} but the config implies {expected[path]}; "
                 "the checkpoint and its config.json disagree"
             )
-        flat[path] = jnp.asarray(value, dtype=dtype)
+        flat[path] = np.asarray(value, dtype=dtype) if on_host else jnp.asarray(value, dtype=dtype)
     missing = sorted(".".join(p) for p in expected if p not in flat)
     if missing or unexpected:
         raise CheckpointError(
@@ -109,8 +112,10 @@ def map_tensors(
     return {"params": flax.traverse_util.unflatten_dict(flat)}
 
 
-def to_params(config: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype) -> dict:
+def to_params(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype, on_host: bool = False
+) -> dict:
     """Builds a target's parameter tree from HF-named tensors (see `map_tensors`)."""
     # Some exports save a tied head twice; the tied model reads the embedding instead.
     ignore = (("lm_head", "weight"),) if config.tie_word_embeddings else ()
-    return map_tensors(expected_param_shapes(config), tensors, dtype, f"{config.arch} model", ignore)
+    return map_tensors(expected_param_shapes(config), tensors, dtype, f"{config.arch} model", ignore, on_host)

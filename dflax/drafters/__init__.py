@@ -17,6 +17,8 @@ from dflax.drafters.dflash import (
 )
 from dflax.drafters.lookup import LookupDrafter, prompt_lookup
 from dflax.drafters.shipped import SHIPPED_DRAFTERS, shipped_drafter_path
+from dflax.sharding import ShardingRules
+from dflax.sharding.placement import shard_params
 from dflax.target import Target
 
 UNTRAINED = "untrained"
@@ -122,6 +124,8 @@ def load_drafter(
     module = DFlashDrafter(config, dtype, target.module.attention_backend)
     if params is None:
         params = init_drafter_params(module, seed)
+    if target.mesh is not None:  # split like the target's layers (dflax.sharding.rules)
+        params = shard_params(params, ShardingRules.for_model(config.layers, target.mesh))
     proposer = DFlashProposer(
         module, target.module, block_size or config.block_size, draft_sampling, draft_vocab
     )

@@ -28,6 +28,7 @@ from dflax.drafters.best_first import best_first_tree
 from dflax.models.config import ModelConfig
 from dflax.models.layers import Linear, RMSNorm
 from dflax.models.transformer import DecoderLayer, Transformer
+from dflax.sharding.embedding import take_rows
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[int, ...]:
@@ -313,7 +314,7 @@ class DFlashProposer:
         """
         config = self.module.config
         embedding = target_params["params"]["embed_tokens"]["weight"]  # [V, D]
-        anchor = jnp.take(embedding, last_token, axis=0)[:, None]  # [R, 1, D]
+        anchor = take_rows(embedding, last_token)[:, None]  # [R, 1, D]
         if config.mask_token_id is None:
             mask = self.module.apply(params, method=DFlashDrafter.mask_vector).astype(anchor.dtype)
         else:

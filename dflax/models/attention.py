@@ -21,6 +21,7 @@ from dflax.models.block_attention import anchored_block_attention
 from dflax.models.config import RopeScaling
 from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 from dflax.models.packing import Packing
+from dflax.sharding.attention import shard_attention
 from pallas_kernels.tree_attention import resolve_backend, tree_attention
 from pallas_kernels.tree_attention.packed import packed_causal_attention
 
@@ -132,21 +133,27 @@ def attend(
       [B, T, N, H] attention output in q's dtype.
     """
     backend, interpret = _kernel_backend(cfg.backend)
-    return tree_attention(
-        q,
-        k_cache,
-        v_cache,
-        cache_len,
-        k_new,
-        v_new,
-        new_mask,
-        sm_scale=cfg.scale,
-        sliding_window=cfg.sliding_window,
-        q_positions=q_positions,
-        backend=backend,
-        interpret=interpret,
-        causal=causal,
-    )
+
+    def run(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions):
+        return tree_attention(
+            q,
+            k_cache,
+            v_cache,
+            cache_len,
+            k_new,
+            v_new,
+            new_mask,
+            sm_scale=cfg.scale,
+            sliding_window=cfg.sliding_window,
+            q_positions=q_positions,
+            backend=backend,
+            interpret=interpret,
+            causal=causal,
+        )
+
+    # Under a (data, model) mesh each device attends its own rows and heads; otherwise `run` itself.
+    run = shard_attention(run, cfg.num_heads, cfg.num_kv_heads)
+    return run(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions)
 
 
 class Attention(nn.Module):

@@ -16,6 +16,7 @@ from dflax.models.attention import Attention, AttentionConfig
 from dflax.models.config import ModelConfig
 from dflax.models.layers import GatedMLP, Linear, RMSNorm
 from dflax.models.packing import Packing
+from dflax.sharding.embedding import take_rows
 
 
 def attention_config(config: ModelConfig, layer_idx: int, backend: str = "auto") -> AttentionConfig:
@@ -52,8 +53,8 @@ class Embedding(nn.Module):
         )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        """[B, T] int -> [B, T, D]."""
-        return jnp.take(self.weight, tokens, axis=0)
+        """[B, T] int -> [B, T, D] (per vocabulary shard under a mesh, see dflax.sharding.embedding)."""
+        return take_rows(self.weight, tokens)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied read-out: [..., D] -> [..., V]."""
