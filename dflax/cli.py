@@ -213,7 +213,8 @@ def generate(
     refill_every: int = typer.Option(
         16,
         help="continuous batching: every N decode steps, rows that finished take the next prompts "
-        "(0 = static batches that run until their longest row ends); outputs are the same",
+        "(0 = static batches that run until their longest row ends; always static on a --mesh); outputs are "
+        "the same",
     ),
     truncate: bool = typer.Option(
         False, "--truncate", help="keep the last tokens of prompts that do not fit"

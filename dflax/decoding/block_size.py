@@ -91,10 +91,15 @@ def choose_block_size(
 
     Args:
       accept: the drafter's per-position conditional acceptance acc_1, acc_2, ...
-      verify_s: seconds of one target forward over n tokens, for measured n (1 included).
+      verify_s: seconds of one target forward over n tokens, for measured n (1 included); made
+        non-decreasing in n before use.
       draft_s: seconds of one drafter forward per candidate block size (the candidates).
       min_speedup: the predicted speedup a block size needs to be chosen over plain decoding.
     """
+    # A forward over more tokens never costs less: a running maximum keeps one noisy timing from making a
+    # larger verify look cheaper than a smaller one (or than the plain step).
+    sizes = sorted(verify_s)
+    verify_s = dict(zip(sizes, np.maximum.accumulate([verify_s[n] for n in sizes])))
     plain = verify_s[1]
     predicted = {}
     for b in sorted(draft_s):

@@ -137,3 +137,9 @@ def test_bench_auto_block_size_and_projection(tmp_path, tiny):
     assert set(auto["auto_predicted"]) == {"2", "3", "4", "6", "8", "12", "16"}
     assert "projection" in data["projection"] and "projected_speedup" not in by_method["ar"]
     assert set(by_method["dflash-b4"]["projected_speedup"]) == set(projection.ACCELERATORS)
+
+
+def test_a_noisy_plain_timing_cannot_make_a_useless_drafter_pay():
+    noisy = {1: 3.0, 2: 1.0, 4: 1.1, 8: 1.6, 16: 2.4}  # the 1-token forward timed during a load spike
+    choice = choose_block_size([0.0] * 15, noisy, DRAFT_S)
+    assert choice.block_size is None and all(x < 1.0 for _, x in choice.predicted.values())
