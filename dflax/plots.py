@@ -90,21 +90,23 @@ def plot_accepted_lengths(report: Report, ax: Axes | None = None) -> Axes:
     return ax
 
 
-def _series(report: Report) -> dict[tuple[int, Any], list[tuple[int, dict[str, Any]]]]:
-    """Speculative results grouped by (batch size, tree budget), each group sorted by block size."""
-    groups: dict[tuple[int, Any], list[tuple[int, dict[str, Any]]]] = {}
+def _series(report: Report) -> dict[tuple[str, int, Any], list[tuple[int, dict[str, Any]]]]:
+    """Speculative results grouped by (method, batch size, tree budget), each group sorted by block size.
+    The method is the result's name without its -bB / -tN / -auto suffix (dflash, lookup)."""
+    groups: dict[tuple[str, int, Any], list[tuple[int, dict[str, Any]]]] = {}
     for result in speculative_results(report):
         size = block_size_of(report, result)
         if size is not None:
-            groups.setdefault((result["batch_size"], result.get("tree_budget")), []).append((size, result))
+            key = (result["method"].split("-")[0], result["batch_size"], result.get("tree_budget"))
+            groups.setdefault(key, []).append((size, result))
     return {key: sorted(points, key=lambda p: p[0]) for key, points in groups.items()}
 
 
 def plot_tau_and_speedup(report: Report, axes: Sequence[Axes] | None = None) -> tuple[Axes, Axes]:
     """tau (left) and speedup over plain decoding (right) against block size.
 
-    One line per batch size, and per tree budget when results carry `tree_budget`. The speedup panel
-    has a dashed line at 1x (plain decoding's speed) and needs `ar` in the same report.
+    One line per method and batch size, and per tree budget when results carry `tree_budget`. The speedup
+    panel has a dashed line at 1x (plain decoding's speed) and needs `ar` in the same report.
 
     Raises:
       ValueError: when no speculative result has a known block size.
@@ -115,8 +117,8 @@ def plot_tau_and_speedup(report: Report, axes: Sequence[Axes] | None = None) -> 
     if axes is None:
         axes = new_figure(10).subplots(1, 2)
     tau_ax, speed_ax = axes
-    for (batch, budget), points in series.items():
-        label = f"batch {batch}" + (f", tree budget {budget}" if budget is not None else "")
+    for (method, batch, budget), points in series.items():
+        label = f"{method}, batch {batch}" + (f", tree budget {budget}" if budget is not None else "")
         sizes = [size for size, _ in points]
         tau_ax.plot(sizes, [r["tau"] for _, r in points], marker="o", label=label)
         speedups = [(size, r["speedup"]) for size, r in points if r.get("speedup") is not None]

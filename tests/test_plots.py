@@ -80,7 +80,20 @@ def test_results_with_a_tree_budget_get_a_line_per_budget(report):
     tau_ax, _ = plots.plot_tau_and_speedup(with_trees)
     labels = [line.get_label() for line in tau_ax.lines]
     assert len(labels) == 6  # (batch 1, 2) x (no tree, budget 16, budget 32)
-    assert "batch 2, tree budget 32" in labels
+    assert "dflash, batch 2, tree budget 32" in labels
+
+
+def test_each_drafting_method_gets_its_own_lines(report):
+    mixed = copy.deepcopy(report)
+    for r in report["results"]:
+        if r["method"] != "ar":
+            mixed["results"].append({**copy.deepcopy(r), "method": r["method"].replace("dflash", "lookup")})
+    tau_ax, _ = plots.plot_tau_and_speedup(mixed)
+    assert sorted(line.get_label() for line in tau_ax.lines) == [
+        f"{method}, batch {batch}, tree budget 0" for method in ("dflash", "lookup") for batch in (1, 2)
+    ]
+    for line in tau_ax.lines:
+        assert list(line.get_xdata()) == [2, 4]  # one point per block size, never two methods on a line
 
 
 def test_cost_curve_plots_the_measured_verify_times_against_the_roofline_floor(report):
