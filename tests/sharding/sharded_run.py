@@ -20,7 +20,7 @@ import numpy as np
 
 import dflax
 from dflax.decoding.sampling import SamplingParams
-from dflax.generation import _compiled, _rules, generate_ids
+from dflax.generation import _rules, compiled_programs, generate_ids
 from dflax.sharding.placement import place_replicated, place_rows, sharded_cache
 
 TEMPERATURES = (0.0, 1.0)
@@ -48,7 +48,7 @@ def compiled_param_shards(target, drafter) -> dict:
     """Parameter path -> [shard shape, full shape] as the compiled DFlash decode loop receives it (read
     from the executable's input shardings, not from the arrays passed)."""
     rules, proposer = _rules(target), drafter.proposer
-    prefill_fn, decode_fn = _compiled(target, proposer)
+    prefill_fn, decode_fn = compiled_programs(target, proposer)
     batch = rules.mesh.shape["data"]
     tokens, lens, budgets = place_rows(rules, jnp.ones((batch, 16), jnp.int32), jnp.ones((batch,), jnp.int32),
                                        jnp.full((batch,), 4, jnp.int32))  # fmt: skip
