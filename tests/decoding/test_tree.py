@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from greedy_decoding import greedy
 from sampling_definition import target_probs
 from toy_target import TV_BOUND, compare, exact_joint, make_toy, sample_outcomes
 
@@ -28,7 +29,6 @@ from dflax.decoding.decode import decode_step, prefill
 from dflax.decoding.sampling import SamplingParams, sample, split_keys
 from dflax.decoding.tree import DraftTree, accept_tree, ancestor_mask, depths, first_matching_child, walk
 from dflax.drafters import load_drafter
-from dflax.generation import generate_ids
 from dflax.models.transformer import Transformer
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40]]
@@ -114,19 +114,6 @@ class TableDrafter:
 
     params: jax.Array
     proposer: object
-
-
-def greedy(target, prompts, max_new, drafter=None, batch_size=4):
-    results = generate_ids(
-        target,
-        prompts,
-        max_new_tokens=max_new,
-        sampling=SamplingParams.make(),
-        row_seeds=list(range(len(prompts))),
-        batch_size=batch_size,
-        drafter=drafter,
-    )
-    return [r.tokens for r in results], results
 
 
 def greedy_table(target, prompts, length):

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from greedy_decoding import greedy
 from tiny_checkpoints import full_sequence_logits
 
 import dflax
 from dflax.decoding.cache import KVCache
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import load_drafter
-from dflax.generation import generate_ids
 
 # Top-2 logit gap below which a greedy divergence is a numerical tie, by the target's dtype. bf16: a few
 # ulps (2^-7 relative) of logits of magnitude 1 to 4, where a block and a single token round differently.
@@ -30,19 +30,6 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 3
 @pytest.fixture(scope="module")
 def target(tiny_checkpoint):
     return dflax.load_target(str(tiny_checkpoint("qwen3")[0]))
-
-
-def greedy(target, prompts, max_new, drafter=None, batch_size=4):
-    results = generate_ids(
-        target,
-        prompts,
-        max_new_tokens=max_new,
-        sampling=SamplingParams.make(),
-        row_seeds=list(range(len(prompts))),
-        batch_size=batch_size,
-        drafter=drafter,
-    )
-    return [r.tokens for r in results], results
 
 
 def assert_same_or_near_tie(target, prompt, expected, got):

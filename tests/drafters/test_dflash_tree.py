@@ -15,13 +15,12 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from greedy_decoding import greedy
 
 import dflax
-from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.tree import ancestor_mask, depths, with_root
 from dflax.drafters import DraftSampling, load_drafter
 from dflax.drafters.best_first import best_first_tree
-from dflax.generation import generate_ids
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40]]
 
@@ -59,19 +58,6 @@ def test_best_first_tree_holds_the_best_paths(positions, candidates, budget):
 @pytest.fixture(scope="module")
 def target(tiny_checkpoint):
     return dflax.load_target(str(tiny_checkpoint("qwen3")[0]))
-
-
-def greedy(target, prompts, max_new, drafter=None, batch_size=4):
-    results = generate_ids(
-        target,
-        prompts,
-        max_new_tokens=max_new,
-        sampling=SamplingParams.make(),
-        row_seeds=list(range(len(prompts))),
-        batch_size=batch_size,
-        drafter=drafter,
-    )
-    return [r.tokens for r in results], results
 
 
 @pytest.mark.parametrize("block_size, budget", [(8, 8), (8, 24)])

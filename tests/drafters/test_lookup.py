@@ -14,14 +14,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from greedy_decoding import greedy
 from sampling_definition import target_probs
 from toy_target import TV_BOUND, compare, exact_joint, make_toy, sample_outcomes
 
 import dflax
-from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.tree import ancestor_mask, depths, with_root
 from dflax.drafters.lookup import PromptLookupProposer, lookup_drafts, lookup_tree, match_starts
-from dflax.generation import generate_ids
 
 # Prompts with repeats, so lookup finds matches in the prompt as well as in the output.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12], [20, 21, 22, 20, 21, 22, 23, 20, 21], [40]]
@@ -93,19 +92,6 @@ def test_lookup_tree_holds_every_occurrence_continuation(depth, nodes):
 @pytest.fixture(scope="module")
 def target(tiny_checkpoint):
     return dflax.load_target(str(tiny_checkpoint("qwen3")[0]))
-
-
-def greedy(target, prompts, max_new, drafter=None, batch_size=4):
-    results = generate_ids(
-        target,
-        prompts,
-        max_new_tokens=max_new,
-        sampling=SamplingParams.make(),
-        row_seeds=list(range(len(prompts))),
-        batch_size=batch_size,
-        drafter=drafter,
-    )
-    return [r.tokens for r in results], results
 
 
 @pytest.mark.parametrize("block_size, tree_budget", [(4, 0), (8, 0), (4, 9)])
