@@ -77,6 +77,56 @@ def _run_dflax(
     return tokens, per_batch
 
 
+def _run_continuous(
+    target: Target,
+    prompt_ids,
+    max_new_tokens,
+    temperature,
+    batch_size,
+    seed,
+    progress,
+    drafter=None,
+    refill_every=16,
+):
+    """Continuous batching over the whole prompt set: every `refill_every` decode steps, finished rows
+    take the next prompts (dflax.continuous_batching). Refills prefill a varying number of rows, so the
+    warm-up is one untimed run of the same prompts: it compiles every shape the timed run meets."""
+    from dflax.continuous_batching import generate_continuous
+
+    def run(timing=None, on_result=None):
+        return generate_continuous(
+            target,
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams.make(temperature),
+            row_seeds=[seed + i for i in range(len(prompt_ids))],
+            batch_size=batch_size,
+            refill_every=refill_every,
+            drafter=drafter,
+            on_result=on_result,
+            timing=timing,
+        )
+
+    run()
+    timing = {}
+    results = run(timing, on_result=lambda i, r: progress(1))
+    per_batch = [
+        {
+            "rows": len(results),
+            "prompt_tokens": sum(len(p) for p in prompt_ids),
+            "prefill_s": timing["prefill_s"],
+            "decode_s": timing["decode_s"],
+            "decode_tokens": sum(len(r.tokens) - 1 for r in results),
+            "steps": sum(r.stats["steps"] for r in results),
+            "loop_steps": timing["loop_steps"],
+            "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
+            "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
+            "refills": timing["refills"],
+        }
+    ]
+    return [r.tokens for r in results], per_batch
+
+
 def _run_auto(
     target: Target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, drafter, context
 ):
@@ -160,6 +210,8 @@ def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> d
         ),
         "decode_s": decode_s,
         "prefill_s": sum(b["prefill_s"] for b in per_batch),
+        "wall_tokens_per_s": (decode_tokens + sum(b["rows"] for b in per_batch))
+        / (decode_s + sum(b["prefill_s"] for b in per_batch)),
         "median_prefill_s": statistics.median(b["prefill_s"] for b in per_batch),
         "prefill_tokens_per_s": sum(b["prompt_tokens"] for b in per_batch)
         / sum(b["prefill_s"] for b in per_batch),
@@ -168,7 +220,7 @@ def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> d
         "accept_hist": np.sum([b["accept_hist"] for b in per_batch], axis=0).tolist()
         if "accept_hist" in per_batch[0]
         else None,
-        **{k: per_batch[0][k] for k in ("block_size", "auto_predicted") if k in per_batch[0]},
+        **{k: per_batch[0][k] for k in ("block_size", "auto_predicted", "refills") if k in per_batch[0]},
     }
 
 
@@ -202,6 +254,30 @@ def _add_projection(results: list[dict], target: Target, drafter, n_prompts: int
             }
 
 
+def _with_refills(runners: dict, settings: dict, refill_every: list[int], mesh: str | None) -> dict:
+    """The runners once per refill setting: 0 keeps the static-batch runner, k > 0 adds its continuous
+    batching twin "<name>-refill<k>" (dflax's fixed-block-size methods only)."""
+    if any(k < 0 for k in refill_every):
+        raise ValueError(f"--refill-every {refill_every}: give integers >= 0 (0 = static batches)")
+    out = {}
+    for name, runner in runners.items():
+        settings[name]["refill_every"] = 0
+        if 0 in refill_every:
+            out[name] = runner
+        for k in (k for k in refill_every if k > 0):
+            if mesh:
+                raise ValueError("--refill-every does not run on a mesh yet; leave it out with --mesh")
+            if runner is _run_hf or getattr(runner, "func", None) is _run_auto:
+                raise ValueError(
+                    f"--refill-every applies to dflax's methods at fixed block sizes, not {name!r}: "
+                    "give --block-size N for dflash, or leave out hf"
+                )
+            drafter = runner.keywords["drafter"] if isinstance(runner, functools.partial) else None
+            out[f"{name}-refill{k}"] = functools.partial(_run_continuous, drafter=drafter, refill_every=k)
+            settings[f"{name}-refill{k}"] = {**settings[name], "refill_every": k}
+    return out
+
+
 def run_bench(
     *,
     prompts: str,
@@ -220,6 +296,7 @@ def run_bench(
     cost_curve_sizes: tuple[int, ...] = COST_CURVE_SIZES,
     console=None,
     mesh: str | None = None,
+    refill_every: list[int] | None = None,
 ) -> dict[str, Any]:
     """Benchmarks methods back to back on the same prompts and target.
 
@@ -245,6 +322,9 @@ def run_bench(
       cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
       console: optional rich console for progress.
       mesh: "data=D,model=M" to run dflax's methods sharded over that device mesh (see dflax.sharding).
+      refill_every: run dflax's methods once per value: 0 in static batches (the default), k > 0 with
+        continuous batching, finished rows refilled every k decode steps (reported as e.g. "ar-refill16";
+        its speedup and lossless_match compare with the static "ar").
 
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
@@ -304,6 +384,7 @@ def run_bench(
                     _run_dflax, drafter=method_drafter.with_block_size(b).with_tree_budget(n)
                 )
                 settings[name] = {"block_size": b, "tree_budget": n}
+    runners = _with_refills(runners, settings, refill_every or [0], mesh)
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     roofline = measure_roofline(loaded.params)
     outputs, results = {}, []
@@ -348,6 +429,7 @@ def run_bench(
         "drafter": spec.name if spec else None,
         "block_sizes": sizes,
         "tree_budgets": tree_budgets or [0],
+        "refill_every": refill_every or [0],
         "roofline": roofline,
         "projection": projection.DESCRIPTION,
         "results": results,

@@ -378,6 +378,11 @@ def bench(
         None, "--plot", help="draw accepted lengths, tau/speedup per block size and the cost curve (PNG)"
     ),
     mesh: str = typer.Option(None, help=_MESH_HELP),
+    refill_every: str = typer.Option(
+        "0",
+        help="0 = static batches; k > 0 = continuous batching, finished rows refilled every k decode "
+        "steps; several (0,16) run each method once per value",
+    ),
 ) -> None:
     """Measure decode tokens/s of methods on one prompt set, back to back in one run."""
     from dflax.bench import BENCH_METHODS, run_bench
@@ -398,6 +403,10 @@ def bench(
             "--cost-curve"
         )
     block_sizes = [_block_size_value(b.strip()) for b in block_size.split(",")] if block_size else None
+    try:
+        refills = [int(k) for k in refill_every.split(",")]
+    except ValueError:
+        _fail(f"--refill-every {refill_every!r}: give integers >= 0, e.g. 16 or 0,16")
     tree_budgets = None
     if tree_budget:
         try:
@@ -423,6 +432,7 @@ def bench(
             cost_curve=cost_curve,
             console=console,
             mesh=mesh,
+            refill_every=refills,
         )
     except (ValueError, ImportError, FileNotFoundError) as e:
         _fail(str(e))

@@ -50,7 +50,7 @@ def decode_chunk(
     drafter_params,
     max_steps: jax.Array,
     proposer: Proposer | None = None,
-) -> DecodeState:
+) -> tuple[DecodeState, jax.Array]:
     """At most `max_steps` decode steps: fewer when every row is done first.
 
     Args:
@@ -58,7 +58,7 @@ def decode_chunk(
       max_steps: [] int32, traced (changing it does not recompile).
 
     Returns:
-      The state after the chunk.
+      The state after the chunk and the number of steps it ran ([] int32).
     """
 
     def cond(carry):
@@ -69,7 +69,7 @@ def decode_chunk(
         s, i = carry
         return decode_step(model, params, s, sampling, drafter_params, proposer), i + 1
 
-    return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))[0]
+    return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
 
 
 def merge_rows(running: DecodeState, fresh: DecodeState, take: jax.Array) -> DecodeState:
@@ -129,6 +129,7 @@ def generate_continuous(
     refill_every: int,
     drafter: Drafter | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
+    timing: dict | None = None,
 ) -> list[GenerationResult]:
     """Generates for already-encoded prompts with continuous batching (see the module docstring).
 
@@ -142,6 +143,8 @@ def generate_continuous(
       refill_every: decode steps between refills (> 0).
       drafter: a speculative drafter (None = plain decoding).
       on_result: called with (prompt index, result) as each prompt finishes, in finishing order.
+      timing: if given, filled with the run's totals: "prefill_s" (all refills' prefills and merges),
+        "decode_s" (all decode chunks), "loop_steps" (decode-loop iterations) and "refills".
 
     Returns:
       One result per prompt, in prompt order. Each result's `prefill_s` is its refill's prefill time and
@@ -187,6 +190,7 @@ def generate_continuous(
     started: dict[int, tuple[float, float]] = {}  # prompt -> (prefill_s, decode start)
     results: list[GenerationResult | None] = [None] * n
     state = None
+    totals = {"prefill_s": 0.0, "decode_s": 0.0, "loop_steps": 0, "refills": 0}
     while queue or any(o is not None for o in owner):
         free = [r for r in range(rows) if owner[r] is None]
         if free and queue:
@@ -198,13 +202,18 @@ def generate_continuous(
             state = fresh if state is None else merge_fn(state, fresh, jnp.asarray(take))
             jax.block_until_ready(state)
             t1 = time.perf_counter()
+            totals["prefill_s"] += t1 - t0
+            totals["refills"] += 1
             for r, i in joining.items():
                 owner[r] = i
                 started[i] = (t1 - t0, t1)
-        state = chunk_fn(target.params, state, sampling, drafter_params, steps_per_chunk)
-        done, num, steps, hist = jax.device_get(
-            (state.done, state.num_generated, state.steps, state.accept_hist)
+        t0 = time.perf_counter()
+        state, ran = chunk_fn(target.params, state, sampling, drafter_params, steps_per_chunk)
+        done, num, steps, hist, ran = jax.device_get(
+            (state.done, state.num_generated, state.steps, state.accept_hist, ran)
         )
+        totals["decode_s"] += time.perf_counter() - t0
+        totals["loop_steps"] += int(ran)
         finished = [r for r in range(rows) if owner[r] is not None and done[r]]
         if not finished:
             continue
@@ -225,4 +234,6 @@ def generate_continuous(
             )
             if on_result is not None:
                 on_result(i, results[i])
+    if timing is not None:
+        timing.update(totals)
     return results

@@ -235,6 +235,29 @@ def test_bench_runs_lookup_at_several_tree_budgets(tmp_path, target_dir):
     assert len(by_method["lookup-t6"]["accept_hist"]) == 6 + 2  # tokens committed per step: 0 .. N + 1
 
 
+def test_bench_compares_continuous_batching_with_static_batches(tmp_path, target_dir):
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    write_jsonl(prompts, PROMPTS)
+    args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "ar"]
+    args += ["--batch-size", "2", "--refill-every", "0,3", "--max-new-tokens", "7", "--json", str(report)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    by_method = {r["method"]: r for r in data["results"]}
+    assert set(by_method) == {"ar", "ar-refill3"} and data["refill_every"] == [0, 3]
+    refilled = by_method["ar-refill3"]
+    assert refilled["refill_every"] == 3 and refilled["refills"] >= 2  # more prompts than rows
+    assert refilled["lossless_match"] == 1.0 and refilled["new_tokens"] == by_method["ar"]["new_tokens"]
+    assert refilled["wall_tokens_per_s"] > 0 and refilled["speedup"] > 0
+
+
+def test_bench_refill_needs_a_fixed_block_size(target_dir):
+    args = ["bench", "--target", str(target_dir), "--method", "hf", "--refill-every", "8"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert "--refill-every applies to dflax's methods" in " ".join(result.output.split())
+
+
 def test_three_shards_union_equals_unsharded_run(tmp_path, target_dir):
     """K=3 shards, each in its own process-like run and file: every id lands in exactly one shard, and the
     union of the shard files is the unsharded output (at T > 0: seeds follow ids, not shards)."""
