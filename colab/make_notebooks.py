@@ -151,8 +151,8 @@ for r in first:
 - A drafter from a directory in the official DFlash layout (z-lab/dflash on the Hugging Face Hub), or
   one dflax trained and exported (`train_drafter.ipynb`). The shipped drafter is such a directory.
 
-Downloads are skipped in smoke mode (CI runs offline); set `OFFICIAL` to an official drafter and its
-target on a runtime with room for them."""
+Downloads are skipped in smoke mode (CI runs offline). On a TPU or GPU runtime the last cell also
+downloads Qwen3-4B and its official drafter `z-lab/Qwen3-4B-DFlash-b16`; change `OFFICIAL` for another pair."""
         ),
         new_code_cell(
             """\
@@ -163,7 +163,8 @@ print(drafter_dir.name, sorted(p.name for p in drafter_dir.iterdir()))
 from_dir = dflax.load_drafter(str(drafter_dir), target)  # generate(..., drafter=from_dir) as above
 assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), from_dir.params, drafter.params))
 
-OFFICIAL = None  # e.g. ("Qwen/Qwen3-8B", "<z-lab DFlash drafter repository for it>")
+# An official DFlash drafter and its target (8 GB of bf16 weights: a TPU or GPU runtime, not a CPU).
+OFFICIAL = ("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16") if PLATFORM != "cpu" else None
 if not SMOKE:
     from huggingface_hub import snapshot_download
 
