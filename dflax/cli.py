@@ -481,6 +481,12 @@ def train_command(
         None, help="warm start from an exported drafter, 'shipped' or a directory (sets init 'drafter')"
     ),
     lr: float = typer.Option(None, help="peak learning rate (default: the recipe's), e.g. for a sweep"),
+    mesh: str = typer.Option(
+        None,
+        help="train on a device mesh, data=D,model=M: the drafter's parameters and optimizer state split "
+        "over data (FSDP) and model, each step's sequences over data (batch_size a multiple of D), the "
+        "target whole or split over model; checkpoints resume on any mesh",
+    ),
 ) -> None:
     """Train a DFlash drafter on target-generated data; SIGTERM/Ctrl-C saves a checkpoint to resume from."""
 
@@ -502,7 +508,7 @@ def train_command(
     except FileNotFoundError:
         console.print(f"[yellow]{data} has no validation split: training without validation[/]")
         val_seqs = []
-    loaded = _load(recipe.target, None)
+    loaded = _load(recipe.target, None, mesh)
     try:
         result = train(recipe, loaded, train_seqs, val_seqs, out, resume=resume, console=console)
     except (ValueError, FileNotFoundError) as e:
