@@ -29,6 +29,10 @@ sequence: 7.0 -> 1.1 GB and 1.88 -> 1.40 G flops per anchor (M = 256), 13.9 -> 1
 (M = 512). Wall clock on the shared CPU (median of 5 steps, loaded by other jobs): 10.5 -> 13.1 anchors/s
 (M = 32) and 12.0 -> 11.4 (M = 128), the same within the noise; 6.7 anchors/s at M = 384 after.
 
+On a mesh (a target loaded with `load_target(..., mesh=)`, CLI `--mesh`) the same step trains with the
+drafter's parameters and optimizer state FSDP-sharded and each batch split over `data`
+(`dflax.sharding.training`); a checkpoint restores onto whatever mesh the resuming run uses.
+
 Resuming is exact: the batch of step s is a pure function of (seed, s) (one permutation of the training
 sequences per epoch), the anchors come from the PRNG key carried in the state, and orbax checkpoints hold
 params, optimizer state, key and step. So a run interrupted (SIGTERM/SIGINT: saved at the next step
