@@ -90,3 +90,21 @@ def test_two_processes_write_the_one_process_results(tmp_path, tiny_checkpoint):
     ids = [r["id"] for lines in files for r in lines]
     assert sorted(ids) == sorted(expected)  # every id exactly once
     assert {r["id"]: r["tokens"] for lines in files for r in lines} == expected
+
+
+def test_multihost_flags_are_one_clear_error_each(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(PROMPTS[0]) + "\n")
+    run = ["generate", "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--mesh", "data=2"]
+    for args, message in (
+        (["--num-processes", "2", "--process-id", "1"], "need --coordinator host:port"),
+        (["--coordinator", "10.0.0.1"], "give host:port of process 0"),
+        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"], "one id in 0 .. 1"),
+        (["--coordinator", "127.0.0.1:1", "--num-shards", "2"], "leave out --num-shards"),
+    ):
+        result = CliRunner().invoke(app, [*run, *args])
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    result = CliRunner().invoke(app, ["generate", "--coordinator", "127.0.0.1:1", "w5 w6"])
+    assert result.exit_code == 2 and "needs --prompts, --out (one file per process) and --mesh" in " ".join(
+        result.output.split()
+    )
