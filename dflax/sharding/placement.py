@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import decode_loop, prefill
@@ -34,8 +34,7 @@ def put(tree: Any, shardings: Any) -> Any:
         if sharding.is_fully_addressable:
             return jax.device_put(x, sharding)
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data_sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec))
-            data = jax.device_put(np.asarray(jax.random.key_data(x)), data_sharding)
+            data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)  # [..., key words]
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         return jax.device_put(np.asarray(x), sharding)
 

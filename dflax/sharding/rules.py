@@ -9,7 +9,7 @@ ones its query heads need), as serving engines do when the tensor-parallel degre
 
 Training adds FSDP (`ShardingRules.fsdp_shardings`): every matrix of the trained drafter (and its optimizer
 moments) also splits its largest dimension not already on `model` over `data`, so each `data` device holds
-1 / D of the parameters and optimizer state; jit gathers a layer's weights where they are used.
+1 / D of those matrices and their optimizer state; jit gathers a layer's weights where they are used.
 
 Parameter paths are the Flax paths of `dflax.models.Transformer` and `dflax.drafters.DFlashDrafter`, which
 mirror HF names: `layers_3/self_attn/q_proj/weight` is [N * H, D] (weights are stored [out, in]).
