@@ -225,6 +225,14 @@ def generate(
     ),
     shard_index: int = typer.Option(0, help="which shard this process generates (0 .. K-1)"),
     mesh: str = typer.Option(None, help=_MESH_HELP),
+    coordinator: str = typer.Option(
+        None,
+        help="multi-host: host:port of process 0. Every process runs the same command (the same --prompts "
+        "and --mesh, which spans all processes' devices) with its own --process-id and --out, and writes the "
+        "prompts of its id shard; the union of the files is the one-process output",
+    ),
+    num_processes: int = typer.Option(1, help="multi-host: processes in the run (with --coordinator)"),
+    process_id: int = typer.Option(0, help="multi-host: this process's id, 0 .. P-1 (with --coordinator)"),
 ) -> None:
     """Generate completions for prompts given as arguments or in a JSONL file."""
     from dflax.generation import generate as run_generate
@@ -236,6 +244,7 @@ def generate(
         result_line,
         row_seed,
         select_shard,
+        shard_of,
     )
 
     _check_method(method)
@@ -249,6 +258,19 @@ def generate(
         _fail("give prompts as arguments or with --prompts FILE.jsonl (exactly one of the two)")
     if (num_shards, shard_index) != (1, 0) and not prompts_file:
         _fail("--num-shards/--shard-index split a --prompts file; give one")
+    if coordinator is None and (num_processes, process_id) != (1, 0):
+        _fail("--num-processes/--process-id need --coordinator host:port (process 0's address)")
+    if coordinator is not None:
+        if not (prompts_file and out and mesh):
+            _fail("a multi-host run (--coordinator) needs --prompts, --out (one file per process) and --mesh")
+        if num_shards != 1:
+            _fail("--coordinator splits the prompts over the processes itself; leave out --num-shards")
+        from dflax.sharding.multihost import initialize
+
+        try:
+            initialize(coordinator, num_processes, process_id)
+        except ValueError as e:
+            _fail(str(e))
     bad = []
     if prompts_file:
         if not prompts_file.is_file():
@@ -267,6 +289,11 @@ def generate(
             PromptRecord(i, [{"role": "user", "content": p}] if chat else p) for i, p in enumerate(prompts)
         ]
     done = completed_ids(out) if out else set()
+    if coordinator is not None:  # ids done by any process: every process then builds the same batches
+        from dflax.sharding.multihost import any_process
+
+        finished = any_process([result_key(r.id) in done for r in records])
+        done = {result_key(r.id) for r, f in zip(records, finished) if f}
     todo = [r for r in records if result_key(r.id) not in done]
     if done:
         console.print(f"{out}: {len(records) - len(todo)} of {len(records)} prompts already done, resuming")
@@ -280,6 +307,8 @@ def generate(
     if fixed_block == "auto" and not chains:
         _fail("--block-size auto chooses DFlash chains; give --block-size B with lookup or --tree-budget")
     if chains and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
+        if coordinator is not None:  # each process would time its own forwards and might choose another B
+            _fail("--block-size auto times this machine's forwards; give every process --block-size B")
         spec_drafter = _auto_block_size(loaded, spec_drafter, todo, batch_size, max_new_tokens)
     sink = None
     if out:
@@ -305,7 +334,7 @@ def generate(
 
             def on_result(i, result):
                 record = todo[i]
-                if sink:
+                if sink and (coordinator is None or shard_of(record.id, num_processes) == process_id):
                     sink.write(result_line(record.id, result) + "\n")
                     sink.flush()
                 else:
@@ -491,6 +520,12 @@ def train_command(
         None, help="warm start from an exported drafter, 'shipped' or a directory (sets init 'drafter')"
     ),
     lr: float = typer.Option(None, help="peak learning rate (default: the recipe's), e.g. for a sweep"),
+    mesh: str = typer.Option(
+        None,
+        help="train on a device mesh, data=D,model=M: the drafter's parameters and optimizer state split "
+        "over data (FSDP) and model, each step's sequences over data (batch_size a multiple of D), the "
+        "target whole or split over model; checkpoints resume on any mesh",
+    ),
 ) -> None:
     """Train a DFlash drafter on target-generated data; SIGTERM/Ctrl-C saves a checkpoint to resume from."""
 
@@ -512,7 +547,7 @@ def train_command(
     except FileNotFoundError:
         console.print(f"[yellow]{data} has no validation split: training without validation[/]")
         val_seqs = []
-    loaded = _load(recipe.target, None)
+    loaded = _load(recipe.target, None, mesh)
     try:
         result = train(recipe, loaded, train_seqs, val_seqs, out, resume=resume, console=console)
     except (ValueError, FileNotFoundError) as e:

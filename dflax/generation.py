@@ -21,6 +21,7 @@ from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import Proposer, decode_loop, prefill
 from dflax.decoding.sampling import SamplingParams
 from dflax.sharding import ShardingRules
+from dflax.sharding.multihost import to_host
 from dflax.sharding.placement import (
     padded_batch,
     place_replicated,
@@ -230,10 +231,9 @@ def generate_ids(
     jax.block_until_ready(state)
     t2 = time.perf_counter()
 
-    out_tokens = np.asarray(state.tokens)
-    num = np.asarray(state.num_generated)
-    steps = np.asarray(state.steps)
-    hist = np.asarray(state.accept_hist)
+    # On a mesh spanning several processes each holds some rows' shards; every process gets all rows.
+    rows = (state.tokens, state.num_generated, state.steps, state.accept_hist)
+    out_tokens, num, steps, hist = map(to_host, rows)
     return [
         result_of_row(
             target,

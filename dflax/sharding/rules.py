@@ -7,6 +7,10 @@ Query heads split over `model` when every device gets whole heads; KV heads spli
 divides them, and are otherwise replicated (each device keeps every KV head and its attention reads the
 ones its query heads need), as serving engines do when the tensor-parallel degree exceeds the KV heads.
 
+Training adds FSDP (`ShardingRules.fsdp_shardings`): every matrix of the trained drafter (and its optimizer
+moments) also splits its largest dimension not already on `model` over `data`, so each `data` device holds
+1 / D of those matrices and their optimizer state; jit gathers a layer's weights where they are used.
+
 Parameter paths are the Flax paths of `dflax.models.Transformer` and `dflax.drafters.DFlashDrafter`, which
 mirror HF names: `layers_3/self_attn/q_proj/weight` is [N * H, D] (weights are stored [out, in]).
 """
@@ -131,6 +135,23 @@ class ShardingRules:
             if len(logical) not in (0, len(leaf.shape)):
                 raise ValueError(f"sharding rule of {name} names {len(logical)} axes of a {leaf.shape} array")
             out[path] = self.sharding(logical) if logical else self.replicated()
+        return {"params": flax.traverse_util.unflatten_dict(out)}
+
+    def fsdp_shardings(self, params: dict) -> dict:
+        """NamedShardings for a trained {"params": ...} tree: `param_shardings`, and in every matrix (2 or
+        more dimensions) the largest dimension not on `model` that `data` divides also split over `data`
+        (FSDP; the first such dimension on a tie). Vectors (norms, biases) stay whole on every device."""
+        data = mesh_shape(self.mesh).data
+        flat = flax.traverse_util.flatten_dict(params["params"])
+        tensor_parallel = flax.traverse_util.flatten_dict(self.param_shardings(params)["params"])
+        out = {}
+        for path, leaf in flat.items():
+            spec = list(tensor_parallel[path].spec)
+            spec += [None] * (len(leaf.shape) - len(spec))
+            free = [d for d, axis in enumerate(spec) if axis is None and leaf.shape[d] % data == 0]
+            if data > 1 and len(leaf.shape) >= 2 and free:
+                spec[max(free, key=lambda d: (leaf.shape[d], -d))] = DATA
+            out[path] = NamedSharding(self.mesh, PartitionSpec(*spec))
         return {"params": flax.traverse_util.unflatten_dict(out)}
 
     def cache_sharding(self, num_kv_heads: int) -> NamedSharding:

@@ -29,6 +29,10 @@ sequence: 7.0 -> 1.1 GB and 1.88 -> 1.40 G flops per anchor (M = 256), 13.9 -> 1
 (M = 512). Wall clock on the shared CPU (median of 5 steps, loaded by other jobs): 10.5 -> 13.1 anchors/s
 (M = 32) and 12.0 -> 11.4 (M = 128), the same within the noise; 6.7 anchors/s at M = 384 after.
 
+On a mesh (a target loaded with `load_target(..., mesh=)`, CLI `--mesh`) the same step trains with the
+drafter's parameters and optimizer state FSDP-sharded and each batch split over `data`
+(`dflax.sharding.training`); a checkpoint restores onto whatever mesh the resuming run uses.
+
 Resuming is exact: the batch of step s is a pure function of (seed, s) (one permutation of the training
 sequences per epoch), the anchors come from the PRNG key carried in the state, and orbax checkpoints hold
 params, optimizer state, key and step. So a run interrupted (SIGTERM/SIGINT: saved at the next step
@@ -68,6 +72,7 @@ from dflax.drafters.dflash import (
 )
 from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.models.transformer import Transformer
+from dflax.sharding.training import TrainingSharding
 from dflax.target import Target, weights_fingerprint
 from dflax.train import objective
 from dflax.train.features import FeatureCache, cache_features
@@ -372,8 +377,16 @@ def make_optimizer(config: TrainConfig, total_steps: int) -> optax.GradientTrans
     )
 
 
-def make_steps(proposer: DFlashProposer, config: TrainConfig, tx: optax.GradientTransformation):
+def make_steps(
+    proposer: DFlashProposer,
+    config: TrainConfig,
+    tx: optax.GradientTransformation,
+    sharding: TrainingSharding | None = None,
+):
     """The jitted train step (state donated) and eval step.
+
+    With `sharding` the step keeps the new state in its FSDP shards (`dflax.sharding.training`); its inputs
+    must already be placed there (`TrainingSharding.place_state` / `place_batch`).
 
     Returns:
       train_step(state, target_params, batch) -> (state, metrics) and
@@ -416,6 +429,8 @@ def make_steps(proposer: DFlashProposer, config: TrainConfig, tx: optax.Gradient
             rng=jax.random.key_data(rng),
             step=state.step + 1,
         )
+        if sharding is not None:
+            state = sharding.constrain_state(state)
         return state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "stats": stats}
 
     return jax.jit(train_step, donate_argnums=0), jax.jit(loss_fn)
@@ -428,6 +443,7 @@ class _Programs:
     Attributes:
       module: the drafter module (float32 master weights, the differentiable reference attention).
       tx: the optimizer.
+      sharding: where the state and batches live on the target's mesh (None: one device).
       train_step, eval_step: see `make_steps`.
       features: (target_params, tokens [rows, S], lengths [rows]) -> [L, K * D] bf16 target features of the
         rows' real tokens back to back (the prefill path; rows and L from the recipe).
@@ -435,6 +451,7 @@ class _Programs:
 
     module: DFlashDrafter
     tx: optax.GradientTransformation
+    sharding: TrainingSharding | None
     train_step: Callable
     eval_step: Callable
     features: Callable
@@ -447,8 +464,10 @@ def _programs(
     config: TrainConfig,
     total_steps: int,
     draft_vocab: tuple[int, ...] | None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> _Programs:
-    """The programs of a run, built once per (drafter, target module, recipe, schedule, draft vocabulary).
+    """The programs of a run, built once per (drafter, target module, recipe, schedule, draft vocabulary,
+    mesh).
 
     Later `train` calls in the same process (a resume, a notebook) reuse the compiled steps.
     """
@@ -456,7 +475,8 @@ def _programs(
     tx = make_optimizer(config, total_steps)
     vocab = None if draft_vocab is None else np.asarray(draft_vocab, np.int32)
     proposer = DFlashProposer(module, target, config.block_size, draft_vocab=vocab)
-    train_step, eval_step = make_steps(proposer, config, tx)
+    sharding = None if mesh is None else TrainingSharding.for_drafter(dflash.layers, mesh)
+    train_step, eval_step = make_steps(proposer, config, tx, sharding)
     taps = dflash.target_layer_ids
     pack = config.feature_tokens
     features = jax.jit(
@@ -464,7 +484,7 @@ def _programs(
             target, params, tokens, lengths, taps, pack
         ).astype(jnp.bfloat16)
     )
-    return _Programs(module, tx, train_step, eval_step, features)
+    return _Programs(module, tx, sharding, train_step, eval_step, features)
 
 
 class _StopFlag:
@@ -505,7 +525,11 @@ def _order_meta(config: TrainConfig, num_train: int, total_steps: int) -> dict:
 
 
 def _restore(manager: ocp.CheckpointManager, state: TrainState, meta: dict) -> TrainState:
-    """The latest checkpoint, after checking it belongs to this run (same data order and schedule)."""
+    """The latest checkpoint, after checking it belongs to this run (same data order and schedule).
+
+    `state` gives the structure and where each array goes (arrays, or ShapeDtypeStructs with shardings):
+    a checkpoint saved on one mesh restores onto another, each device reading only its own shards.
+    """
     step = manager.latest_step()
     restored = manager.restore(
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(state), meta=ocp.args.JsonRestore())
@@ -519,14 +543,25 @@ def _restore(manager: ocp.CheckpointManager, state: TrainState, meta: dict) -> T
     return restored.state
 
 
-def _validate(eval_step, params, target_params, val: PaddedSequences, features, batch_size: int, seed: int):
-    """Loss, per-position accuracy and greedy acceptance on held-out sequences (fixed anchors)."""
+def _validate(
+    eval_step,
+    params,
+    target_params,
+    val: PaddedSequences,
+    features,
+    batch_size: int,
+    seed: int,
+    place: Callable[[dict], dict],
+):
+    """Loss, per-position accuracy and greedy acceptance on held-out sequences (fixed anchors); `place`
+    puts each host batch where the step reads it."""
     key = jax.random.key(seed + 1)
     losses, total = [], None
     index = np.arange(-(-len(val) // batch_size) * batch_size)
     index[index >= len(val)] = -1
     for b, rows in enumerate(index.reshape(-1, batch_size)):
-        loss, stats = eval_step(params, target_params, val.take(rows, features), jax.random.fold_in(key, b))
+        batch = place(val.take(rows, features))
+        loss, stats = eval_step(params, target_params, batch, jax.random.fold_in(key, b))
         losses.append(loss)
         total = stats if total is None else total + stats
     acc, tau = objective.acceptance(total)
@@ -592,7 +627,10 @@ def train(
 
     Args:
       config: the recipe.
-      target: the loaded (frozen) target.
+      target: the loaded (frozen) target. Loaded on a mesh (`load_target(..., mesh=)`), the drafter trains
+        there: parameters and optimizer state split over `data` as FSDP and over `model` like the target's
+        layers, each step's sequences split over `data` (batch_size must divide by it); the losses and
+        weights equal a one-device run's within float32 rounding, and checkpoints resume on any mesh.
       train_sequences: (ids [S] int32, prompt_len) pairs; the response follows the prompt.
       val_sequences: held-out pairs for validation (may be empty).
       out_dir: run directory: features/ (the cache), checkpoints/, metrics.jsonl, drafter/ (the export).
@@ -604,7 +642,8 @@ def train(
       The TrainResult; `interrupted` is set when a signal stopped the run (a checkpoint was saved).
 
     Raises:
-      ValueError: for too few usable sequences or a checkpoint of another run.
+      ValueError: for too few usable sequences, a batch_size the mesh's `data` axis does not divide, or a
+        checkpoint of another run.
     """
     console = console or Console(stderr=True)
     out_dir = Path(out_dir)
@@ -631,8 +670,13 @@ def train(
         draft_vocab = frequent_tokens(responses, config.draft_vocab_size, target.config.vocab_size)
         console.print(f"draft vocabulary: the {len(draft_vocab)} most frequent response tokens")
     vocab_key = None if draft_vocab is None else tuple(draft_vocab.tolist())
-    programs = _programs(dflash, target.module, config, total_steps, vocab_key)
+    if target.mesh is not None:
+        TrainingSharding.for_drafter(dflash.layers, target.mesh).check_batch(config.batch_size)
+    programs = _programs(dflash, target.module, config, total_steps, vocab_key, target.mesh)
     state = _initial_state(programs.module, programs.tx, config, target)
+    place_batch = (lambda batch: batch) if programs.sharding is None else programs.sharding.place_batch
+    if programs.sharding is not None:
+        state = programs.sharding.place_state(state)
 
     ckpt_dir = out_dir / "checkpoints"
     if not resume and ckpt_dir.exists():
@@ -642,7 +686,8 @@ def train(
     manager = _checkpoint_manager(ckpt_dir)
     meta = _order_meta(config, len(data), total_steps)
     if manager.latest_step() is not None:
-        state = _restore(manager, state, meta)
+        onto = state if programs.sharding is None else programs.sharding.abstract_state(state)
+        state = _restore(manager, onto, meta)
         console.print(f"resuming {ckpt_dir} at step {int(state.step)} of {total_steps}")
 
     def save(step: int) -> None:
@@ -687,10 +732,10 @@ def train(
         t0 = time.perf_counter()
         while step < total_steps and stop.signum is None:
             batch = data.take(batch_index(len(data), config.batch_size, config.seed, step), features)
-            state, metrics = programs.train_step(state, target.params, batch)
+            tokens += int(batch["lengths"].sum())
+            state, metrics = programs.train_step(state, target.params, place_batch(batch))
             step += 1
             pending.append(metrics)
-            tokens += int(batch["lengths"].sum())
             if step % config.log_every == 0 or step == total_steps:
                 jax.block_until_ready(state)  # time whole steps: a step's metrics are ready before its update
                 entry = _summary(pending, tokens, time.perf_counter() - t0, step)
@@ -706,6 +751,7 @@ def train(
                     val_features,
                     config.batch_size,
                     config.seed,
+                    place_batch,
                 )
                 tau = entry["val_tau"]
                 record({"step": step, **entry})

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 from typer.testing import CliRunner
 
 from dflax.cli import app
+from dflax.train.dataset import write_shard
+from dflax.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
@@ -25,12 +28,12 @@ def _tokens(path: Path) -> dict:
     return {r["id"]: r["tokens"] for r in map(json.loads, path.read_text().splitlines())}
 
 
-def _run_on_8_devices(*args: str) -> subprocess.CompletedProcess:
-    """`python -m dflax ARGS` in a process that sees 8 fake CPU devices."""
+def _run_on_8_devices(*args: str, status: int = 0) -> subprocess.CompletedProcess:
+    """`python -m dflax ARGS` in a process that sees 8 fake CPU devices, expected to exit with `status`."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-m", "dflax", *args], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == status, done.stderr[-3000:]
     return done
 
 
@@ -69,3 +72,22 @@ def test_bad_mesh_is_one_clear_error(tiny_checkpoint):
                           ("rows=2", "write it as data=D,model=M")):  # fmt: skip
         result = CliRunner().invoke(app, ["generate", "--target", target, "--mesh", mesh, "w5 w6"])
         assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_train_on_a_mesh_refuses_an_uneven_batch(tmp_path, tiny_checkpoint):
+    """train --mesh trains on the mesh (the sharded steps themselves are test_sharded_training's); a batch
+    that data=8 does not divide is one clear error, before anything compiles."""
+    rng = np.random.default_rng(0)
+    seqs = [(rng.integers(3, 256, 24).tolist(), 6) for _ in range(8)]
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "train-00000.npz", seqs, [str(i) for i in range(len(seqs))])
+    manifest = {"splits": {"train": {"shards": [{"file": "train-00000.npz"}]}}}
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    recipe = TrainConfig(target=str(tiny_checkpoint("qwen3-8kv")[0]), num_layers=1, block_size=8,
+                         anchors_per_seq=4, max_seq_len=24, batch_size=4, steps=1)  # fmt: skip
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe.to_dict()))
+    args = ["train", "--config", str(tmp_path / "recipe.json"), "--data", str(data), "--out", str(tmp_path)]
+    done = _run_on_8_devices(*args, "--mesh", "data=8", status=2)
+    message = " ".join(done.stderr.split())
+    assert "batch_size 4 does not split over the mesh's data=8 devices" in message, message
