@@ -15,11 +15,11 @@ from test_tree_attention import TOLERANCE, call, case_seed, dense_oracle, make_i
 from pallas_kernels.tree_attention import (
     GpuBlockSizes,
     TpuBlockSizes,
+    masks,
     tree_attention,
     tree_attention_gpu,
     tree_attention_tpu,
 )
-from pallas_kernels.tree_attention import masks
 from pallas_kernels.tree_attention.tpu import plan_tiles
 
 # ----------------------------------------------------------------------------------------------------------
@@ -84,7 +84,9 @@ KERNELS = {
     "tpu": lambda *a, block_sizes, **kw: tree_attention_tpu(
         *a, **kw, block_sizes=block_sizes, interpret=pltpu.InterpretParams()
     ),
-    "gpu": lambda *a, block_sizes, **kw: tree_attention_gpu(*a, **kw, block_sizes=block_sizes, interpret=True),
+    "gpu": lambda *a, block_sizes, **kw: tree_attention_gpu(
+        *a, **kw, block_sizes=block_sizes, interpret=True
+    ),
 }
 
 # (n, cache_lens, max_len, heads, kv_heads, head_dim, dtype, tree, window, causal by index, tpu, gpu blocks)
