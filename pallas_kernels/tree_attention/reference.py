@@ -241,13 +241,6 @@ def unpack_queries(packed: jax.Array, t: int, num_heads: int) -> jax.Array:
     return out.reshape(b, t, num_heads, h)
 
 
-def row_visibility(new_vis: jax.Array, group: int, rows_pad: int, u_pad: int) -> jax.Array:
-    """[B, T, U] bool -> [B, rows_pad, u_pad] int32 (1 = visible), packed row order; pads see nothing."""
-    b, t, u = new_vis.shape
-    rows = jnp.repeat(new_vis, group, axis=1).astype(jnp.int32)
-    return jnp.pad(rows, ((0, 0), (0, rows_pad - t * group), (0, u_pad - u)))
-
-
 def row_positions(positions: jax.Array, group: int, rows_pad: int) -> jax.Array:
     """[B, T] -> [B, rows_pad] int32 positions in packed row order (pad rows repeat the last position)."""
     rows = jnp.repeat(positions.astype(jnp.int32), group, axis=1)
