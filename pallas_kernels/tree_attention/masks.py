@@ -4,8 +4,9 @@ The kernels never read a dense [rows, keys] int32 mask. The mask of the new toke
 - causal by index (`tree_mask=None`: prompts and chains): packed row r (token r // G) sees new key u iff
   u <= r // G, i.e. u * G <= r, computed in the kernel from iotas;
 - bit words (any [B, T, T] bool mask: trees, draft blocks): bit i of word [b, w, u] is "packed row
-  w * word_rows + i sees new key u", one bit per (row, key) pair, 32 x smaller than an int32 mask. A kernel
-  expands the word rows of its tile along sublanes (rows) and shifts: no gather along lanes.
+  w * word_rows + i sees new key u", one bit per (row, key) pair, 32 x smaller than an int32 mask. The TPU
+  kernel broadcasts each word row over its rows (sublanes) and shifts, with no gather along lanes; the GPU
+  kernel loads each row's word (a row gather) and shifts.
 
 Either form also gets a plan per (row, query tile): the chunks of `chunk` new keys the tile sees at all,
 [first, end), and a run of chunks every real row of the tile sees whole, [full_lo, full_hi), which the
@@ -34,8 +35,8 @@ def mask_words(new_vis: jax.Array, group: int, rows_pad: int, u_pad: int, rows_p
     """[B, T, U] bool visibility -> [B, rows_pad / rows_per_word, u_pad] int32 bit words in packed row order
     (row r = token r // group); bit i of word w is row w * rows_per_word + i. Pad rows and keys are 0.
 
-    Built bit by bit from strided row gathers of the token mask, which XLA fuses into one pass writing
-    only the words (never a [rows, keys] array)."""
+    Built bit by bit from strided row gathers of the token mask, never as a [rows, keys] array (for a
+    4096-token prompt on v5e XLA reports no temporaries for it)."""
     b, t, u = new_vis.shape
     vis = jnp.pad(new_vis, ((0, 0), (0, 0), (0, u_pad - u)))
     words = jnp.zeros((b, rows_pad // rows_per_word, u_pad), jnp.uint32)
