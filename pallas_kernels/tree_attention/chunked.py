@@ -53,7 +53,7 @@ def tree_attention_chunked(
     cache_len: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    tree_mask: jax.Array,
+    tree_mask: jax.Array | None,
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
@@ -112,7 +112,7 @@ def tree_attention_chunked(
     outs = []
     for lo in range(0, t, query_block):
         hi = min(t, lo + query_block)
-        keys = hi if causal else t  # new keys this block can see
+        keys = hi if causal or tree_mask is None else t  # new keys this block can see
         state = (m[:, lo:hi], denom[:, lo:hi], acc[:, lo:hi])
         scores = cap(jnp.einsum("BTKGH,BUKH->BTKGU", qf[:, lo:hi], kn[:, :keys], precision=_HI))
         vis = new_vis[:, lo:hi, None, None, :keys]  # [B, Tq, 1, 1, U]

@@ -3,14 +3,23 @@
 Shared-prefix attention for speculative verification (FlashForge, Hydragen, DeFT, FlashInfer cascade): all
 T new tokens x all G query heads of one KV head are packed into one query tile of T * G rows, so each prefix
 KV tile is loaded once per KV head instead of once per query token. One program per (row, kv head, query
-tile) runs an online softmax first over the tree part (the T new tokens under the tree mask), then over the
-prefix KV tiles; continuing one softmax across both parts is the log-sum-exp merge of the two partial
-attentions, done in registers.
+tile, KV split) runs an online softmax over the tree part (the T new tokens under their mask; split 0 only)
+and over its share of the prefix KV tiles; continuing one softmax across both parts is the log-sum-exp merge
+of the two partial attentions, done in registers.
 
-The loop over prefix tiles runs only over each row's needed tiles, [start, end) from a small per-row plan
-array (Triton has no scalar prefetch): tiles past cache_len or wholly outside the sliding window are never
-loaded. Interior tiles run unmasked; the boundary tiles use masked loads (other=0), which also keeps stale
-or out-of-range cache slots, NaN included, out of the sums.
+Split-KV (FlashDecoding): batch-1 verification of an 8-KV-head model is 8 programs, far from filling a
+132-SM H100. When (batch x KV heads x query tiles) is below the SM count and the cache has enough tiles,
+each row's needed prefix tiles are divided among `splits` programs; each writes an unnormalized partial
+(accumulator, running max, denominator) in fp32 and an XLA epilogue merges them by log-sum-exp. The split
+count comes from a static cost estimate: enough programs to fill the SMs, at least `min_tiles_per_split`
+KV tiles each.
+
+The loops run only over needed tiles, [start, end) from a small per-row plan array (Triton has no scalar
+prefetch): tiles past cache_len or wholly outside the sliding window are never loaded. Interior tiles run
+unmasked; the boundary tiles use masked loads (other=0), which also keeps stale or out-of-range cache
+slots, NaN included, out of the sums. The new-token mask is computed in the kernel (masks.py): from iotas
+when causal by index (`tree_mask=None`), else from bit words, one bit per (row, key); chunks of new keys that
+a tile sees whole run unmasked, chunks it cannot see are skipped.
 
 Triton wants power-of-two tensor sizes: head_dim must be a power of two; the packed rows and the new tokens
 are padded to powers of two (at least 16, the minimum dot size) and the padding is masked.
@@ -26,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.tree_attention import masks
 from pallas_kernels.tree_attention import reference as ref_lib
 
 _MIN_DOT = 16  # Triton's minimum dot dimension
@@ -43,27 +53,32 @@ def _next_pow2(x: int) -> int:
 class BlockSizes:
     """Tile sizes and launch settings of the GPU kernel; None picks a default from head_dim and dtype.
 
-    The defaults (a query tile of at most 32 KiB, KV tiles of at most 16 KiB) keep a program within shared
-    memory on A100 and H100 and, for bf16, without register spills on H100; checked by compiling the
-    kernel's Triton IR with Triton 3.9 for sm_80 and sm_90, not by running it. fp32 inputs use IEEE fp32
-    dots, which Triton runs without tensor cores: correct but slow (a test dtype on GPU).
+    The defaults (a query tile of at most 32 KiB, KV tiles of at most 16 KiB, 3 pipeline stages: 96 KiB of
+    K/V buffers for bf16 head_dim 128) keep a program within shared memory on A100 (164 KiB) and H100
+    (227 KiB); checked by compiling for sm_80 and sm_90 (tests/aot), not by running. fp32 inputs use IEEE
+    fp32 dots, which Triton runs without tensor cores: correct but slow (a test dtype on GPU).
 
     Attributes:
       block_q: packed query rows (T * G) per program, a power of two >= 16; None = 32 KiB / (head_dim *
-        itemsize), capped at 128. T * G <= block_q puts the whole tree of one KV head in one tile (the
-        prefix is then read once per KV head); larger trees split into several tiles, each reading the
-        prefix (mostly from L2).
+        itemsize), capped at 128. T * G <= block_q puts the whole tree of one KV head in one tile.
       block_kv: cache slots per prefix tile and new keys per tree chunk, a power of two >= 16; None =
         16 KiB / (head_dim * itemsize), capped at 64.
       num_warps: warps per program; None = 4 for query tiles up to 16 KiB and score tiles up to 4096
         elements, else 8.
       num_stages: software-pipelining stages of the KV loop.
+      kv_splits: programs per (row, KV head, query tile) over the prefix; None = the cost estimate
+        (`kv_splits_for`).
+      num_sms: streaming multiprocessors to fill (H100 SXM: 132; A100: 108).
+      min_tiles_per_split: the fewest prefix tiles a split is given by the estimate.
     """
 
     block_q: int | None = None
     block_kv: int | None = None
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int = 3
+    kv_splits: int | None = None
+    num_sms: int = 132
+    min_tiles_per_split: int = 4
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
@@ -72,6 +87,10 @@ class BlockSizes:
                 raise ValueError(f"{name}={value} must be a power of two >= {_MIN_DOT} (Triton tile rule)")
         if (self.num_warps is not None and self.num_warps <= 0) or self.num_stages <= 0:
             raise ValueError(f"num_warps={self.num_warps} and num_stages={self.num_stages} must be positive")
+        if (self.kv_splits is not None and self.kv_splits <= 0) or self.num_sms <= 0:
+            raise ValueError(f"kv_splits={self.kv_splits} and num_sms={self.num_sms} must be positive")
+        if self.min_tiles_per_split <= 0:
+            raise ValueError(f"min_tiles_per_split={self.min_tiles_per_split} must be positive")
 
     def resolve(self, rows: int, max_len: int, head_dim: int, itemsize: int) -> tuple[int, int, int]:
         """(block_q, block_kv, num_warps) for `rows` packed query rows and a cache of `max_len` slots."""
@@ -84,32 +103,47 @@ class BlockSizes:
         num_warps = self.num_warps or (4 if small else 8)
         return block_q, block_kv, num_warps
 
+    def kv_splits_for(self, programs: int, kv_tiles: int) -> int:
+        """Splits of each program's prefix: 1 when `programs` already fill the SMs, else enough to fill
+        them, each split keeping at least `min_tiles_per_split` of the `kv_tiles` tiles."""
+        if self.kv_splits is not None:
+            return max(1, min(self.kv_splits, kv_tiles))
+        if programs >= self.num_sms:
+            return 1
+        return max(1, min(-(-self.num_sms // programs), kv_tiles // self.min_tiles_per_split))
+
 
 def _tree_attention_kernel(
-    plan_ref,  # [8] int32: cache_len, start, u0, u1, end, 0, 0, 0 of this batch row
+    bounds_ref,  # [8] int32: cache_len, start, u0, u1, end, 0, 0, 0 of this batch row
+    plan_ref,  # [4] int32: first, end, full_lo, full_hi chunk of new keys of this query tile
     q_ref,  # [block_q, H]: packed queries (row r = token r // G, head r % G of this kv head)
     k_ref,  # [S_pad, H]: this row's cache keys of one kv head (S rounded up to block_kv; never loaded whole)
     v_ref,  # [S_pad, H]: cache values
     k_new_ref,  # [u_pad, H]: keys of the new tokens (zero padded)
     v_new_ref,  # [u_pad, H]: values of the new tokens
-    mask_ref,  # [block_q, u_pad] int32: 1 where packed row r may see new token u
-    *refs,  # qpos_ref [block_q] int32 (sliding window only); o_ref [block_q, H]
+    *refs,  # words [block_q / word_rows, u_pad] int32 (a given mask); qpos [block_q], kpos [u_pad] int32
+    # (sliding window; kpos for the causal form only); outputs: o [block_q, H], or with splits the
+    # partial acc [block_q, H], m and l [block_q] f32
     sm_scale: float,
     logit_soft_cap: float | None,
     sliding_window: int | None,
     block_kv: int,
+    group: int,
+    word_rows: int,
+    splits: int,
 ):
-    if sliding_window is None:
-        qpos_ref = None
-        (o_ref,) = refs
-    else:
-        qpos_ref, o_ref = refs
+    refs = list(refs)
+    words_ref = refs.pop(0) if word_rows else None
+    qpos_ref = refs.pop(0) if sliding_window is not None else None
+    kpos_ref = refs.pop(0) if sliding_window is not None and not word_rows else None
     block_q, head_dim = q_ref.shape
     u_pad = k_new_ref.shape[0]
-    cache_len, start, u0, u1, end = (plan_ref[i] for i in range(5))
+    qi, split = pl.program_id(2), pl.program_id(3)
+    cache_len, start, u0, u1, end = (bounds_ref[i] for i in range(5))
     q = q_ref[...]
     # fp32 inputs get IEEE fp32 dots (Triton's default for them is TF32), like the reference.
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+    rows = jnp.arange(block_q, dtype=jnp.int32)
 
     def scores(k):  # [block_q, H] x [t, H] -> [block_q, t] f32 logits
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale
@@ -132,24 +166,31 @@ def _tree_attention_kernel(
 
     tree_chunk = min(block_kv, u_pad)
 
-    def tree_step(c, carry):
+    def tree_step(c, carry, masked: bool):
         cols = pl.ds(c * tree_chunk, tree_chunk)
-        valid = mask_ref[:, cols] != 0
+        valid = None
+        if masked and word_rows:
+            words = words_ref[rows // word_rows, cols]  # [block_q, chunk]: each row's word
+            valid = (jax.lax.shift_right_logical(words, (rows % word_rows)[:, None]) & 1) != 0
+        elif masked:  # causal by index: key u seen by packed row r iff u * G <= r
+            keys = c * tree_chunk + jnp.arange(tree_chunk, dtype=jnp.int32)
+            valid = keys[None, :] * group <= (qi * block_q + rows)[:, None]
+            if sliding_window is not None:
+                valid = valid & (qpos_ref[...][:, None] - kpos_ref[cols][None, :] < sliding_window)
         return update(carry, scores(k_new_ref[cols, :]), valid, v_new_ref[cols, :])
 
     def prefix_step(j, carry, masked: bool):
-        rows = pl.ds(j * block_kv, block_kv)
+        slots_at = pl.ds(j * block_kv, block_kv)
         if not masked:
-            return update(carry, scores(k_ref[rows, :]), None, v_ref[rows, :])
+            return update(carry, scores(k_ref[slots_at, :]), None, v_ref[slots_at, :])
         slots = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
         in_len = slots < cache_len
         # Masked loads: no read past cache_len (nor past S), and stale slots come in as 0, not NaN.
-        k = plgpu.load(k_ref.at[rows, :], mask=in_len[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[rows, :], mask=in_len[:, None], other=0.0)
+        k = plgpu.load(k_ref.at[slots_at, :], mask=in_len[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[slots_at, :], mask=in_len[:, None], other=0.0)
         valid = in_len[None, :]
         if sliding_window is not None:
-            qpos = qpos_ref[...]
-            valid = valid & (qpos[:, None] - slots[None, :] < sliding_window)
+            valid = valid & (qpos_ref[...][:, None] - slots[None, :] < sliding_window)
         return update(carry, scores(k), valid, v)
 
     carry = (
@@ -157,14 +198,44 @@ def _tree_attention_kernel(
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    carry = jax.lax.fori_loop(0, u_pad // tree_chunk, tree_step, carry)
+    # The tree part (split 0 only): masked chunks around the run [full_lo, full_hi) seen whole.
+    first, last, full_lo, full_hi = (plan_ref[i] for i in range(masks.PLAN_FIELDS))
+    last = jnp.where(split == 0, last, first)
+    full_lo, full_hi = jnp.minimum(full_lo, last), jnp.minimum(full_hi, last)
+    masked_tree = functools.partial(tree_step, masked=True)
+    carry = jax.lax.fori_loop(first, full_lo, masked_tree, carry)
+    carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(tree_step, masked=False), carry)
+    carry = jax.lax.fori_loop(full_hi, last, masked_tree, carry)
+    # This split's share of the prefix tiles [start, end): masked, unmasked [u0, u1), masked.
+    per = (end - start + splits - 1) // splits
+    lo = jnp.minimum(start + split * per, end)
+    hi = jnp.minimum(lo + per, end)
     masked = functools.partial(prefix_step, masked=True)
-    carry = jax.lax.fori_loop(start, u0, masked, carry)
-    carry = jax.lax.fori_loop(u0, u1, functools.partial(prefix_step, masked=False), carry)
-    carry = jax.lax.fori_loop(u1, end, masked, carry)
-    acc, _, denom = carry
-    inv = jnp.where(denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0)  # all-masked rows -> 0
-    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+    carry = jax.lax.fori_loop(lo, jnp.minimum(hi, u0), masked, carry)
+    unmasked = functools.partial(prefix_step, masked=False)
+    carry = jax.lax.fori_loop(jnp.maximum(lo, u0), jnp.minimum(hi, u1), unmasked, carry)
+    carry = jax.lax.fori_loop(jnp.maximum(lo, u1), hi, masked, carry)
+    acc, m, denom = carry
+    if splits == 1:
+        (o_ref,) = refs
+        inv = jnp.where(denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0)  # all-masked rows -> 0
+        o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+    else:
+        acc_ref, m_ref, l_ref = refs
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = denom
+
+
+def merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, dtype) -> jax.Array:
+    """Log-sum-exp merge of split partials: acc [..., P, R, H], m and denom [..., P, R] (P splits; m is
+    -inf for a split that saw nothing) -> [..., R, H] in `dtype`; rows that see nothing are zero."""
+    m_max = jnp.max(m, axis=-2, keepdims=True)
+    weight = jnp.exp(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0))  # [..., P, R]
+    total = jnp.sum(weight * denom, axis=-2)  # [..., R]
+    out = jnp.sum(weight[..., None] * acc, axis=-3)  # [..., R, H]
+    inv = jnp.where(total > 0.0, 1.0 / jnp.where(total > 0.0, total, 1.0), 0.0)
+    return (out * inv[..., None]).astype(dtype)
 
 
 @functools.partial(
@@ -178,7 +249,7 @@ def tree_attention_gpu(
     cache_len: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    tree_mask: jax.Array,
+    tree_mask: jax.Array | None,
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
@@ -191,15 +262,15 @@ def tree_attention_gpu(
 
     Args:
       q: [B, T, N, H] queries; H a power of two.
-      k_cache, v_cache: [B, S, K, H] cache; slots >= cache_len are never read.
+      k_cache, v_cache: [B, S, K, H] cache (S >= 1); slots >= cache_len are never read.
       cache_len: [B] int valid prefix length per row.
       k_new, v_new: [B, T, K, H] keys/values of the new tokens.
-      tree_mask: [B, T, T] bool, query i may see new token j.
+      tree_mask: [B, T, T] bool, query i may see new token j; None = causal by index (j <= i).
       sm_scale: logit scale; default H ** -0.5.
       sliding_window: keys with q_pos - k_pos >= sliding_window are hidden.
       logit_soft_cap: c in c * tanh(logits / c).
       q_positions: [B, T] int positions of the new tokens; default cache_len[:, None] + arange(T).
-      block_sizes: tile sizes; default `BlockSizes()`.
+      block_sizes: tile sizes and launch settings; default `BlockSizes()`.
       interpret: run the kernel in Pallas interpret mode (CPU).
 
     Returns:
@@ -228,53 +299,90 @@ def tree_attention_gpu(
         raise ValueError(f"the gpu backend needs head_dim to be a power of two >= 16, got {h}")
     block_q, block_kv, num_warps = bs.resolve(t * g, s, h, jnp.dtype(q.dtype).itemsize)
     rows_pad = ref_lib.round_up(t * g, block_q)
+    num_q_tiles = rows_pad // block_q
     # The cache block spans whole tiles: the last tile may run past S, where the masked loads (slot <
     # cache_len <= S) read nothing; interpret mode pads the block the same way.
     s_pad = ref_lib.round_up(s, block_kv)
     u_pad = max(_MIN_DOT, _next_pow2(t))
+    tree_chunk = min(block_kv, u_pad)
+    splits = bs.kv_splits_for(b * kv * num_q_tiles, s_pad // block_kv)
     scale = ref_lib.default_scale(h, sm_scale)
 
     cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, s)
     positions = ref_lib.query_positions(cache_len, t, q_positions)
-    new_vis = ref_lib.new_token_visibility(tree_mask, positions, sliding_window)
-    mask = ref_lib.row_visibility(new_vis, g, rows_pad, u_pad)  # [B, rows_pad, u_pad]
-    plan = ref_lib.prefix_tile_bounds(cache_len, positions, sliding_window, block_kv)  # [B, 8]
+    causal = tree_mask is None
+    windowed = sliding_window is not None
+    word_rows = 0 if causal else int(min(32, block_q))
+    if causal:
+        plan = masks.causal_plan(b, t, g, rows_pad, block_q, tree_chunk, whole_ok=not windowed)
+    else:
+        new_vis = ref_lib.new_token_visibility(tree_mask, positions, sliding_window)  # [B, T, U]
+        words = masks.mask_words(new_vis, g, rows_pad, u_pad, word_rows)  # [B, rows_pad / word_rows, u_pad]
+        real = masks.real_row_words(t, g, rows_pad, word_rows)
+        plan = masks.words_plan(words, real, block_q, word_rows, tree_chunk)
+    bounds = ref_lib.prefix_tile_bounds(cache_len, positions, sliding_window, block_kv)  # [B, 8]
     q_packed = ref_lib.pack_queries(q, kv, rows_pad)  # [B, K, rows_pad, H]
     pad_u = ((0, 0), (0, u_pad - t), (0, 0), (0, 0))
     kn, vn = jnp.pad(k_new, pad_u), jnp.pad(v_new, pad_u)
 
-    q_spec = pl.BlockSpec((None, None, block_q, h), lambda bi, hi, qi: (bi, hi, qi, 0))
-    cache_spec = pl.BlockSpec((None, s_pad, None, h), lambda bi, hi, qi: (bi, 0, hi, 0))
-    new_spec = pl.BlockSpec((None, u_pad, None, h), lambda bi, hi, qi: (bi, 0, hi, 0))
+    q_spec = pl.BlockSpec((None, None, block_q, h), lambda bi, hi, qi, si: (bi, hi, qi, 0))
+    cache_spec = pl.BlockSpec((None, s_pad, None, h), lambda bi, hi, qi, si: (bi, 0, hi, 0))
+    new_spec = pl.BlockSpec((None, u_pad, None, h), lambda bi, hi, qi, si: (bi, 0, hi, 0))
     in_specs = [
-        pl.BlockSpec((None, 8), lambda bi, hi, qi: (bi, 0)),
+        pl.BlockSpec((None, 8), lambda bi, hi, qi, si: (bi, 0)),
+        pl.BlockSpec((None, None, masks.PLAN_FIELDS), lambda bi, hi, qi, si: (bi, qi, 0)),
         q_spec,
         cache_spec,
         cache_spec,
         new_spec,
         new_spec,
-        pl.BlockSpec((None, block_q, u_pad), lambda bi, hi, qi: (bi, qi, 0)),
     ]
-    operands = [plan, q_packed, k_cache, v_cache, kn, vn, mask]
-    if sliding_window is not None:
-        in_specs.append(pl.BlockSpec((None, block_q), lambda bi, hi, qi: (bi, qi)))
+    operands = [bounds, plan.reshape(b, num_q_tiles, masks.PLAN_FIELDS), q_packed, k_cache, v_cache, kn, vn]
+    if word_rows:
+        in_specs.append(pl.BlockSpec((None, block_q // word_rows, u_pad), lambda bi, hi, qi, si: (bi, qi, 0)))
+        operands.append(words)
+    if windowed:
+        in_specs.append(pl.BlockSpec((None, block_q), lambda bi, hi, qi, si: (bi, qi)))
         operands.append(ref_lib.row_positions(positions, g, rows_pad))
+        if causal:
+            in_specs.append(pl.BlockSpec((None, u_pad), lambda bi, hi, qi, si: (bi, 0)))
+            operands.append(jnp.pad(positions, ((0, 0), (0, u_pad - t)), mode="edge"))
 
+    if splits == 1:
+        out_specs = q_spec
+        out_shape = jax.ShapeDtypeStruct(q_packed.shape, q.dtype)
+    else:
+        parts = (b, kv, splits, rows_pad)
+        out_specs = [
+            pl.BlockSpec((None, None, None, block_q, h), lambda bi, hi, qi, si: (bi, hi, si, qi, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda bi, hi, qi, si: (bi, hi, si, qi)),
+            pl.BlockSpec((None, None, None, block_q), lambda bi, hi, qi, si: (bi, hi, si, qi)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((*parts, h), jnp.float32),
+            jax.ShapeDtypeStruct(parts, jnp.float32),
+            jax.ShapeDtypeStruct(parts, jnp.float32),
+        ]
     kernel = functools.partial(
         _tree_attention_kernel,
         sm_scale=scale,
         logit_soft_cap=logit_soft_cap,
         sliding_window=sliding_window,
         block_kv=block_kv,
+        group=g,
+        word_rows=word_rows,
+        splits=splits,
     )
     out = pl.pallas_call(
         kernel,
-        grid=(b, kv, rows_pad // block_q),
+        grid=(b, kv, num_q_tiles, splits),
         in_specs=in_specs,
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q_packed.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="tree_attention_gpu",
     )(*operands)
+    if splits > 1:
+        out = merge_splits(*out, q.dtype)  # [B, K, rows_pad, H]
     return ref_lib.unpack_queries(out, t, n)

@@ -43,7 +43,7 @@ def tree_attention(
     cache_len: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    tree_mask: jax.Array,
+    tree_mask: jax.Array | None,
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
@@ -70,7 +70,9 @@ def tree_attention(
       cache_len: [B] int valid prefix length per row.
       k_new: [B, T, K, H] keys of the new tokens.
       v_new: [B, T, K, H] values of the new tokens.
-      tree_mask: [B, T, T] bool; tree_mask[b, i, j] = query i may see new token j.
+      tree_mask: [B, T, T] bool; tree_mask[b, i, j] = query i may see new token j. None = causal by index
+        (j <= i: prompts and chains); the kernels then compute the mask from iotas. A given mask reaches
+        the kernels as bit words (one bit per query row and key), never as a dense int32 array.
       sm_scale: logit scale; default H ** -0.5.
       sliding_window: python int w; a key at position kp is visible to a query at qp only if qp - kp < w.
       logit_soft_cap: c; logits -> c * tanh(logits / c) after scaling.
@@ -112,9 +114,9 @@ def tree_attention(
         return tree_attention_reference(*args, **options)
     if resolved == "chunked":
         return tree_attention_chunked(*args, **options, causal=causal)
-    if k_cache.shape[1] == 0:  # an empty cache (prefill): the kernels tile over at least one slot
-        pad = ((0, 0), (0, 1), (0, 0), (0, 0))
-        args = (q, jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), jnp.zeros_like(cache_len), *args[4:])
     if resolved == "tpu":
         return tpu.tree_attention_tpu(*args, **options, block_sizes=block_sizes, interpret=interpret)
+    if k_cache.shape[1] == 0:  # an empty cache (prefill): the GPU kernel tiles over at least one slot
+        pad = ((0, 0), (0, 1), (0, 0), (0, 0))
+        args = (q, jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), jnp.zeros_like(cache_len), *args[4:])
     return gpu.tree_attention_gpu(*args, **options, block_sizes=block_sizes, interpret=bool(interpret))

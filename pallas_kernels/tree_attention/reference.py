@@ -34,7 +34,7 @@ def tree_attention_reference(
     cache_len: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    tree_mask: jax.Array,
+    tree_mask: jax.Array | None,
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
@@ -59,7 +59,8 @@ def tree_attention_reference(
       cache_len: [B] int valid prefix length per row (clipped to [0, S]).
       k_new: [B, T, K, H] keys of the new tokens.
       v_new: [B, T, K, H] values of the new tokens.
-      tree_mask: [B, T, T] bool; tree_mask[b, i, j] = query i may see new token j.
+      tree_mask: [B, T, T] bool; tree_mask[b, i, j] = query i may see new token j; None = causal by
+        index (j <= i).
       sm_scale: logit scale; default H ** -0.5.
       sliding_window: a key at position kp is visible to a query at qp only if qp - kp < sliding_window.
       logit_soft_cap: c in c * tanh(logits / c), applied after scaling.
@@ -140,8 +141,14 @@ def query_positions(cache_len: jax.Array, t: int, q_positions: jax.Array | None)
     return q_positions.astype(jnp.int32)
 
 
-def new_token_visibility(tree_mask: jax.Array, positions: jax.Array, sliding_window: int | None) -> jax.Array:
-    """[B, T, U] bool: query t sees new token u (the tree mask, and the window on their positions)."""
+def new_token_visibility(
+    tree_mask: jax.Array | None, positions: jax.Array, sliding_window: int | None
+) -> jax.Array:
+    """[B, T, U] bool: query t sees new token u (the tree mask, causal by index when None, and the window
+    on their positions)."""
+    if tree_mask is None:
+        b, t = positions.shape
+        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
     vis = tree_mask.astype(jnp.bool_)
     if sliding_window is not None:
         vis = vis & (positions[:, :, None] - positions[:, None, :] < sliding_window)
@@ -183,9 +190,10 @@ def check_inputs(
         raise ValueError(
             f"cache_len must be an int array of shape ({b},), got {cache_len.dtype}{cache_len.shape}"
         )
-    if tree_mask.shape != (b, t, t) or tree_mask.dtype != jnp.bool_:
+    if tree_mask is not None and (tree_mask.shape != (b, t, t) or tree_mask.dtype != jnp.bool_):
         raise ValueError(
-            f"tree_mask must be bool [batch, n, n]={(b, t, t)}, got {tree_mask.dtype}{tree_mask.shape}"
+            f"tree_mask must be bool [batch, n, n]={(b, t, t)} or None (causal), "
+            f"got {tree_mask.dtype}{tree_mask.shape}"
         )
     if q_positions is not None and (
         q_positions.shape != (b, t) or not jnp.issubdtype(q_positions.dtype, jnp.integer)
@@ -231,13 +239,6 @@ def unpack_queries(packed: jax.Array, t: int, num_heads: int) -> jax.Array:
     g = num_heads // kv
     out = packed[:, :, : t * g].reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, num_heads, h)
-
-
-def row_visibility(new_vis: jax.Array, group: int, rows_pad: int, u_pad: int) -> jax.Array:
-    """[B, T, U] bool -> [B, rows_pad, u_pad] int32 (1 = visible), packed row order; pads see nothing."""
-    b, t, u = new_vis.shape
-    rows = jnp.repeat(new_vis, group, axis=1).astype(jnp.int32)
-    return jnp.pad(rows, ((0, 0), (0, rows_pad - t * group), (0, u_pad - u)))
 
 
 def row_positions(positions: jax.Array, group: int, rows_pad: int) -> jax.Array:

@@ -1,16 +1,16 @@
 """The TPU tree-attention kernel compiled for real TPUs on this CPU (libtpu's deviceless compile, Mosaic's
-layout and verification passes included), over every static configuration dflax can select.
+layout and verification passes included).
 
 What compiles depends only on static shapes and options: dtype, heads / kv heads / head_dim, batch, new
-tokens n, cache slots S (an empty cache is the prefill path), sliding window and soft cap. Cache lengths
-(empty, partial, full) and mask values (chain, tree, all-visible) are runtime data of the same program;
-interpret-mode tests (tests/pallas_kernels) check what it computes for them. So the matrix below is the
-static cross product, deduplicated, and each entry is one compile.
+tokens n, cache slots S (an empty cache is the prefill path), the mask's form (a dense mask arrives as bit
+words, in one tile or several; `tree_mask=None` is causal by index), sliding window and soft cap. Cache
+lengths and mask values are runtime data of the same program; interpret-mode tests (tests/pallas_kernels)
+check what it computes for them. The cases below are a chosen cover of the kernel's static paths (each
+head layout, dtype, prefix form, mask form and option at least once), not their cross product: each entry
+is one compile, and the compiles are among the slowest tests.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ SHAPES = {
     "prefill1024_after128": (1, 1024, 128),
 }
 PREFILL_8K = (1, 8192, 0)
+ALL_SHAPES = {**SHAPES, "prefill8192": PREFILL_8K}
 OPTIONS = {"window512": (512, None), "cap50": (None, 50.0), "window512_cap30": (512, 30.0)}
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
@@ -58,48 +59,70 @@ def kernel_args(batch, n, slots, heads, kv_heads, head_dim, dtype):
     )
 
 
-def compile_kernel(device, shape, heads, dtype, window=None, cap=None):
-    """Compiles tree_attention(backend="tpu") for `device`; returns the compiled executable."""
-    fn = lambda *a: tree_attention(*a, backend="tpu", sliding_window=window, logit_soft_cap=cap)
+def compile_kernel(device, shape, heads, dtype, window=None, cap=None, causal=False):
+    """Compiles tree_attention(backend="tpu") for `device` (with `causal`, tree_mask=None: causal by index);
+    returns the compiled executable."""
+    options = dict(backend="tpu", sliding_window=window, logit_soft_cap=cap)
+    if causal:
+        fn = lambda *a: tree_attention(*a[:6], None, **options)
+    else:
+        fn = lambda *a: tree_attention(*a, **options)
     lowered = jax.jit(fn).lower(*on_device(kernel_args(*shape, *heads, dtype), device))
     assert "tree_attention_tpu" in lowered.as_text()  # the Mosaic kernel, not a fallback
     return lowered.compile()
 
 
+# (dtype, heads, shape, option, mask): a "dense" mask reaches the kernel as bit words; "causal" is
+# tree_mask=None.
+COVER = [
+    ("bf16", "qwen3_32x8_hd128", "decode_b2", None, "dense"),
+    ("bf16", "qwen3_32x8_hd128", "verify16", None, "dense"),
+    ("bf16", "qwen3_32x8_hd128", "tree60", None, "dense"),
+    ("bf16", "qwen3_32x8_hd128", "prefill8192", None, "causal"),
+    ("f32", "qwen3_32x8_hd128", "prefill1024_after128", None, "dense"),  # words in several tiles
+    ("bf16", "smollm2_9x3_hd64", "prefill1024", None, "dense"),
+    ("bf16", "smollm2_9x3_hd64", "prefill1024", None, "causal"),
+    ("bf16", "smollm2_9x3_hd64", "verify16", "cap50", "dense"),
+    ("f32", "smollm2_9x3_hd64", "decode_b2", None, "dense"),
+    ("bf16", "gqa2_hd64", "verify16_one_slot", None, "dense"),
+    ("f32", "gqa2_hd64", "prefill16", None, "dense"),
+    ("bf16", "gqa2_hd64", "prefill64_b2", None, "causal"),
+    ("bf16", "gemma3_4x1_hd256", "verify16", "window512_cap30", "dense"),
+    ("bf16", "gemma3_4x1_hd256", "prefill1024", "window512", "causal"),
+    ("f32", "gemma3_4x1_hd256", "tree60", "window512_cap30", "dense"),
+]
+# name -> (dtype, heads, shape, window, soft cap, causal by index)
 CASES = {
-    **{
-        f"{d}-{h}-{s}": (DTYPES[d], HEADS[h], SHAPES[s], None, None)
-        for d, h, s in itertools.product(DTYPES, HEADS, SHAPES)
-    },
-    **{f"bf16-{h}-prefill8192": (jnp.bfloat16, HEADS[h], PREFILL_8K, None, None) for h in HEADS},
-    "f32-qwen3_32x8_hd128-prefill8192": (jnp.float32, HEADS["qwen3_32x8_hd128"], PREFILL_8K, None, None),
-    **{
-        f"bf16-{h}-{s}-{o}": (jnp.bfloat16, HEADS[h], SHAPES[s], *OPTIONS[o])
-        for h, s, o in itertools.product(HEADS, ("verify16", "prefill1024"), OPTIONS)
-    },
-    "f32-gemma3_4x1_hd256-tree60-window512_cap30": (
-        jnp.float32, HEADS["gemma3_4x1_hd256"], SHAPES["tree60"], *OPTIONS["window512_cap30"],
-    ),
-}  # fmt: skip
+    "-".join(x for x in (d, h, s, o, m) if x): (
+        DTYPES[d], HEADS[h], ALL_SHAPES[s], *OPTIONS.get(o, (None, None)), m == "causal"
+    )
+    for d, h, s, o, m in COVER
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_compiles_for_v5e(tpu_device, case):
-    dtype, heads, shape, window, cap = CASES[case]
-    compile_kernel(tpu_device("v5e:2x2"), shape, heads, dtype, window, cap)  # raises what Mosaic rejects
+    dtype, heads, shape, window, cap, causal = CASES[case]
+    compiled = compile_kernel(tpu_device("v5e:2x2"), shape, heads, dtype, window, cap, causal)
+    numbers = CompiledNumbers.of(compiled)
+    # No dense [rows, keys] mask and no cache-sized scratch: the temporaries stay below the q tensor's size
+    # (the packed queries) plus the cache's (its [B, K, S, H] view) plus 1 MiB.
+    batch, n, slots = shape
+    q_bytes = batch * n * heads[0] * heads[2] * jnp.dtype(dtype).itemsize
+    cache_bytes = 2 * batch * slots * heads[1] * heads[2] * jnp.dtype(dtype).itemsize
+    assert numbers.temp_bytes <= 2 * q_bytes + cache_bytes + 2**20, (case, numbers)
 
 
 # A few configurations for the other generations dflax targets (each compile starts a new topology).
 OTHER_GENERATIONS = ["v5p:2x2x1", "v6e:2x2"]
-OTHER_CASES = ["bf16-qwen3_32x8_hd128-verify16", "bf16-smollm2_9x3_hd64-prefill1024",
-               "bf16-gemma3_4x1_hd256-verify16-window512_cap30"]  # fmt: skip
+OTHER_CASES = ["bf16-qwen3_32x8_hd128-verify16-dense", "bf16-smollm2_9x3_hd64-prefill1024-causal"]
 
 
 @pytest.mark.parametrize("topology", OTHER_GENERATIONS)
 @pytest.mark.parametrize("case", OTHER_CASES)
 def test_kernel_compiles_for_v5p_and_v6e(tpu_device, topology, case):
-    dtype, heads, shape, window, cap = CASES[case]
-    compile_kernel(tpu_device(topology), shape, heads, dtype, window, cap)  # raises what Mosaic rejects
+    dtype, heads, shape, window, cap, causal = CASES[case]
+    compile_kernel(tpu_device(topology), shape, heads, dtype, window, cap, causal)  # raises Mosaic's errors
 
 
 def _verify_numbers(device, n, slots):
@@ -121,15 +144,15 @@ def test_verify_traffic_grows_with_the_cache_not_with_n_times_the_cache(tpu_devi
     assert verify.bytes_accessed < 1.5 * decode.bytes_accessed, (verify, decode)
     assert 6 < verify.bytes_accessed / verify_short.bytes_accessed < 10, (verify, verify_short)
     assert verify.temp_bytes < _cache_bytes(8192) / 8, verify  # no cache-sized scratch
-    # Today: one read by the kernel plus a relayout copy (see the xfail below), not n (16) reads.
+    # Today: one read by the kernel plus a transposing copy (see the xfail below), not n (16) reads.
     assert _cache_bytes(8192) <= verify.bytes_accessed < 6 * _cache_bytes(8192), verify
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the kernel views the [B, S, K, H] cache as [B, S, K * H]; in the TPU tiled layout that "
-    "reshape is a relayout, so XLA copies the whole cache around every call (bytes accessed about 5x one "
-    "cache read). A cache laid out [B, K, S, H] (or [B, S, K * H]) would remove it; then drop this mark.",
+    reason="the kernel reads the [B, S, K, H] cache as [B, K, S, H] (one KV head per block); that "
+    "transpose is a copy of the whole cache around every call (bytes accessed about 5x one cache read), as "
+    "the former [B, S, K * H] view was. A cache stored [B, K, S, H] would remove it; then drop this mark.",
 )
 def test_verify_reads_the_cache_once(tpu_device):
     verify = _verify_numbers(tpu_device("v5e:2x2"), 16, 8192)

@@ -11,7 +11,6 @@ from jax.experimental.pallas import tpu as pltpu
 from test_tree_attention import TOLERANCE, call, make_inputs
 
 from pallas_kernels.tree_attention import TpuBlockSizes, tree_attention_reference, tree_attention_tpu
-from pallas_kernels.tree_attention.tpu import _tree_chunk_bounds
 
 # (n, cache_lens, max_len, heads, kv_heads, head_dim, dtype, tree, window, block sizes)
 CHUNKED_CASES = {
@@ -43,13 +42,3 @@ def test_chunked_tree_part_matches_reference(case):
     )
     atol, rtol = TOLERANCE[dtype]
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, atol=atol, rtol=rtol)
-
-
-def test_causal_tiles_visit_chunks_up_to_their_diagonal():
-    # 4 tokens x 2 heads packed as 8 rows, tiles of 4 rows (2 tokens), chunks of 2 keys: causal.
-    causal = np.tril(np.ones((4, 4), np.int32))
-    mask = jnp.asarray(np.repeat(causal, 2, axis=0)[None])  # [1, 8, 4]
-    bounds = np.asarray(_tree_chunk_bounds(mask, block_q=4, tree_chunk=2)).reshape(2, 2)
-    np.testing.assert_array_equal(bounds, [[0, 1], [0, 2]])
-    nothing = _tree_chunk_bounds(jnp.zeros((1, 8, 4), jnp.int32), block_q=4, tree_chunk=2)
-    np.testing.assert_array_equal(np.asarray(nothing), [0, 0, 0, 0])
