@@ -90,22 +90,35 @@ def find_context(table: NgramTable, context: jax.Array) -> jax.Array:
     Returns:
       [B] int32 context indices (-1 where the context never occurred).
     """
-    contexts = jnp.asarray(table.contexts)
-    num = contexts.shape[0]
-    lo = jnp.zeros(context.shape[:1], jnp.int32)
-    hi = jnp.full(context.shape[:1], num, jnp.int32)
+    return find_rows(table.contexts, context)
 
-    def halve(_, bounds):  # invariant: contexts[:lo] < query <= contexts[hi:]
+
+def find_rows(rows: jax.Array, query: jax.Array) -> jax.Array:
+    """Index of each query in lexicographically sorted distinct rows, or -1 (binary search).
+
+    Args:
+      rows: [C, w] int32, sorted lexicographically, distinct.
+      query: [B, w] int32.
+
+    Returns:
+      [B] int32 row indices (-1 where the query is not a row).
+    """
+    rows = jnp.asarray(rows)
+    num = rows.shape[0]
+    lo = jnp.zeros(query.shape[:1], jnp.int32)
+    hi = jnp.full(query.shape[:1], num, jnp.int32)
+
+    def halve(_, bounds):  # invariant: rows[:lo] < query <= rows[hi:]
         lo, hi = bounds
         mid = (lo + hi) // 2
-        diff = contexts[jnp.minimum(mid, num - 1)] - context  # [B, n - 1]
+        diff = rows[jnp.minimum(mid, num - 1)] - query  # [B, w]
         first = jnp.argmax(diff != 0, axis=-1)
-        below = jnp.take_along_axis(diff, first[:, None], axis=-1)[:, 0] < 0  # contexts[mid] < query
+        below = jnp.take_along_axis(diff, first[:, None], axis=-1)[:, 0] < 0  # rows[mid] < query
         open_ = lo < hi
         return jnp.where(open_ & below, mid + 1, lo), jnp.where(open_ & ~below, mid, hi)
 
     lo, _ = jax.lax.fori_loop(0, max(num, 1).bit_length(), halve, (lo, hi))
-    found = (lo < num) & jnp.all(contexts[jnp.minimum(lo, num - 1)] == context, axis=-1)
+    found = (lo < num) & jnp.all(rows[jnp.minimum(lo, num - 1)] == query, axis=-1)
     return jnp.where(found, lo, -1)
 
 
