@@ -55,12 +55,15 @@ class DartConfig:
       num_draft: d, tokens drafted per forward (the last position + d - 1 masks).
       target_layer_ids: target layers whose outputs are fused (HF hidden_states[l + 1]).
       draft_vocab_size: V', rows of the drafter's own LM head (the target's V without a reduced vocabulary).
+      feature_norm: RMS-normalize each tapped layer's features before `fc` (a dflax option, as for DFlash:
+        SmolLM2's few huge activation dimensions otherwise swamp `fc`).
     """
 
     layer: ModelConfig
     num_draft: int
     target_layer_ids: tuple[int, ...]
     draft_vocab_size: int
+    feature_norm: bool = False
 
     def __post_init__(self):
         if self.num_draft < 1:
@@ -77,6 +80,7 @@ class DartConfig:
         num_draft: int = DART_NUM_DRAFT,
         target_layer_ids: tuple[int, ...] | None = None,
         draft_vocab_size: int | None = None,
+        feature_norm: bool = False,
     ) -> DartConfig:
         """A drafter at the target's width, heads and FFN (the published taps by default)."""
         layer = ModelConfig(
@@ -95,7 +99,7 @@ class DartConfig:
             max_position_embeddings=target.max_position_embeddings,
         )
         ids = target_layer_ids if target_layer_ids is not None else default_dart_layer_ids(target.num_layers)
-        return cls(layer, num_draft, tuple(ids), draft_vocab_size or target.vocab_size)
+        return cls(layer, num_draft, tuple(ids), draft_vocab_size or target.vocab_size, feature_norm)
 
     def check_target(self, target: ModelConfig) -> None:
         """Raises ValueError with the fix when this drafter cannot serve `target`."""
@@ -202,7 +206,13 @@ class DartDrafter(nn.Module):
 
     def fuse(self, features: jax.Array, next_embeds: jax.Array) -> jax.Array:
         """[..., K * D] target features and [..., D] next-token embeddings -> [..., 2D] layer inputs."""
-        return self.midlayer.fuse(self.fc(features.astype(self.dtype)), next_embeds.astype(self.dtype))
+        features = features.astype(self.dtype)
+        if self.config.feature_norm:
+            taps = features.reshape(*features.shape[:-1], len(self.config.target_layer_ids), -1)
+            taps = taps.astype(jnp.float32)
+            taps = taps * jax.lax.rsqrt(jnp.mean(taps**2, axis=-1, keepdims=True) + 1e-6)  # [..., K, D]
+            features = taps.reshape(features.shape).astype(self.dtype)
+        return self.midlayer.fuse(self.fc(features), next_embeds.astype(self.dtype))
 
     def context_kv(self, u: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values [B, T, K, H] of committed positions' inputs u [B, T, 2D]."""

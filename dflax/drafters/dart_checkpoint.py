@@ -3,7 +3,7 @@
 - config.json: a Llama-style layer config (hidden_size, intermediate_size, num_attention_heads,
   num_key_value_heads, head_dim, rms_norm_eps, rope_theta, vocab_size = the target's, ...) with
   `architectures: ["DartDraftModel"]`, `num_target_layers` and `dart_config: {"target_layer_ids",
-  "num_draft", "draft_vocab_size"}`;
+  "num_draft", "draft_vocab_size"}` (+ "feature_norm": true, a dflax option, when set);
 - model.safetensors: `fc.weight` [D, K * D], `midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}
   .weight`, `midlayer.self_attn.{q,k,v}_proj.weight` [out, 2D], `midlayer.self_attn.o_proj.weight`,
   `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` [V', D], `mask_embedding` [2D],
@@ -64,6 +64,7 @@ def config_to_json(config: DartConfig, num_target_layers: int) -> dict:
             "target_layer_ids": list(config.target_layer_ids),
             "num_draft": config.num_draft,
             "draft_vocab_size": config.draft_vocab_size,
+            **({"feature_norm": True} if config.feature_norm else {}),
         },
     }
 
@@ -79,6 +80,7 @@ def config_from_json(data: dict) -> DartConfig:
         num_draft=int(dart["num_draft"]),
         target_layer_ids=tuple(int(i) for i in dart["target_layer_ids"]),
         draft_vocab_size=int(dart.get("draft_vocab_size", layer.vocab_size)),
+        feature_norm=bool(dart.get("feature_norm", False)),
     )
 
 

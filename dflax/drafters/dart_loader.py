@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from dflax.drafters.dart import DartConfig, DartDrafter, DartParams, DartProposer, init_dart_params
-from dflax.drafters.dart_checkpoint import load_dart_checkpoint, save_dart
+from dflax.drafters.dart_checkpoint import ARCHITECTURE, is_dart_dir, load_dart_checkpoint, save_dart
 from dflax.drafters.dart_tree import NgramPrior
 from dflax.drafters.ngram import NgramTable
 from dflax.target import Target
@@ -96,7 +96,14 @@ def load_dart(
     else:
         path = Path(name_or_path).expanduser()
         if not path.exists():
-            raise FileNotFoundError(f"DART drafter {name_or_path!r} not found: give a drafter directory")
+            raise FileNotFoundError(
+                f"DART drafter {name_or_path!r} not found: give a DART drafter directory or {UNTRAINED!r}"
+            )
+        if not is_dart_dir(path):
+            raise ValueError(
+                f"{path} is not a DART drafter directory (its config.json names no {ARCHITECTURE}); "
+                "give one that `dflax train` exported from a DART recipe (configs/train/dart-smollm2.json)"
+            )
         config, params, draft_vocab, tables = load_dart_checkpoint(path, target.dtype)
     config.check_target(target.config)
     module = DartDrafter(config, target.dtype)

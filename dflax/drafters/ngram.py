@@ -45,12 +45,13 @@ class NgramTable:
         return self.contexts.shape[1] + 1
 
 
-def build_ngram_table(sequences: Iterable[np.ndarray], order: int) -> NgramTable:
+def build_ngram_table(sequences: Iterable[np.ndarray], order: int, min_count: int = 1) -> NgramTable:
     """Counts every n-gram of the sequences (n-grams do not cross sequence ends).
 
     Args:
       sequences: 1-D int token arrays.
       order: n >= 2.
+      min_count: keep only the n-grams seen at least this often (a smaller table).
 
     Returns:
       The table as numpy arrays (jnp-compatible; move with jax.device_put).
@@ -68,6 +69,10 @@ def build_ngram_table(sequences: Iterable[np.ndarray], order: int) -> NgramTable
     if not grams:
         raise ValueError(f"the corpus holds no sequence of {order} tokens: nothing to count")
     unique, counts = np.unique(np.concatenate(grams), axis=0, return_counts=True)  # [E, n] sorted
+    keep = counts >= min_count
+    if not keep.any():
+        raise ValueError(f"no {order}-gram occurs {min_count} times: lower min_count or add data")
+    unique, counts = unique[keep], counts[keep]
     contexts, context_of = np.unique(unique[:, :-1], axis=0, return_inverse=True)
     context_of = context_of.reshape(-1)
     order_in_context = np.lexsort((unique[:, -1], -counts, context_of))  # by context, count desc, token
