@@ -103,6 +103,7 @@ def test_dart_training_exports_a_lossless_drafter(target, sequences, tmp_path):
         validate_every=60,
         log_every=10,
         export_dtype="float32",
+        ngram_min_count=1,
     )
     result = train(recipe, target, sequences[:32], sequences[32:], tmp_path, console=QUIET)
     losses = [r["loss"] for r in result.log if "loss" in r]
