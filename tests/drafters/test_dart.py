@@ -166,17 +166,16 @@ def test_checkpoint_round_trip(target, ngram_tables, tmp_path):
     for prior, read in zip(drafter.params.ngram, loaded.params.ngram):
         for field in ("grams", "gram_counts", "contexts", "context_counts"):
             np.testing.assert_array_equal(getattr(prior, field), getattr(read, field))
-    trees = [d.with_tree_budget(12) for d in (drafter, loaded)]
-    assert (
-        greedy(target, PROMPTS, 12, trees[0])[1][0].stats == greedy(target, PROMPTS, 12, trees[1])[1][0].stats
-    )
+    runs = [greedy(target, PROMPTS, 8, d.with_tree_budget(12))[1] for d in (drafter, loaded)]
+    hist = lambda results: [(r.tokens, r.stats["accept_hist"]) for r in results]  # noqa: E731
+    assert hist(runs[0]) == hist(runs[1])
 
     config = json.loads((tmp_path / "dart/config.json").read_text())
-    config["dart_config"]["target_layer_ids"] = [99]
+    config["dart_config"]["target_layer_ids"] = [0, 99]  # as many taps: the weights still fit
     (tmp_path / "dart/config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not built for this target"):
         load_drafter(tmp_path / "dart", target)
-    config["dart_config"]["target_layer_ids"] = [0]
+    config["dart_config"]["target_layer_ids"] = [0, 1]
     config["hidden_size"] = 32
     (tmp_path / "dart/config.json").write_text(json.dumps(config))
     with pytest.raises((CheckpointError, ValueError)):
