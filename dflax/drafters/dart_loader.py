@@ -86,9 +86,14 @@ def load_dart(
     """Loads a DART drafter directory (or "untrained": random weights, no n-gram counts) for a target.
 
     Raises:
-      ValueError: when the drafter does not fit the target.
+      ValueError: when the drafter does not fit the target, or the target is sharded over a mesh.
       FileNotFoundError / CheckpointError: for a missing or broken checkpoint.
     """
+    if target.mesh is not None:
+        raise ValueError(
+            "DART does not run on a device mesh yet: load the target without mesh= (one device), or use "
+            "--method dflash on the mesh"
+        )
     draft_vocab, tables = None, ()
     if str(name_or_path) == UNTRAINED:
         config = DartConfig.for_target(target.config)
