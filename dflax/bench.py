@@ -27,7 +27,7 @@ from dflax.prompts import load_prompts
 from dflax.roofline import measure_roofline, step_floor_s
 from dflax.target import Target, load_target
 
-BENCH_METHODS = ("ar", "dflash", "lookup", "hf")
+BENCH_METHODS = ("ar", "dflash", "dart", "lookup", "hf")
 AUTO = "auto"  # a block size chosen by the cost model (dflax.decoding.block_size)
 
 
@@ -234,20 +234,22 @@ def _weights_read(params) -> int:
     return sum(sizes.values())
 
 
-def _add_projection(results: list[dict], target: Target, drafter, n_prompts: int) -> None:
+def _add_projection(results: list[dict], target: Target, drafter, n_prompts: int, dart=None) -> None:
     """Adds each speculative result's projected speedup on accelerators (see dflax.projection): a step
-    verifies the block (or the tree's nodes and root) and runs the DFlash drafter (lookup runs none)."""
+    verifies the block (or the tree's nodes and root) and runs the DFlash or DART drafter (lookup runs
+    none)."""
     target_params = _weights_read(target.params)
     drafter_params = 0
     if drafter is not None:
         vocab = drafter.proposer.draft_vocab
         head_rows = len(vocab) if vocab is not None else target.config.vocab_size
         drafter_params = _weights_read(drafter.params) + head_rows * target.config.hidden_size
+    dart_params = _weights_read(dart.params.drafter) if dart is not None else 0  # its own LM head included
     for r in results:
         if r.get("block_size"):
             rows = min(r["batch_size"], n_prompts)
             verified = r["tree_budget"] + 1 if r.get("tree_budget") else r["block_size"]
-            read = drafter_params if r["method"].startswith("dflash") else 0
+            read = {"dflash": drafter_params, "dart": dart_params}.get(r["method"].split("-")[0], 0)
             r["projected_speedup"] = {
                 key: projection.projected_speedup(chip, target_params, read, r["tau"], verified, rows)
                 for key, chip in projection.ACCELERATORS.items()
@@ -304,19 +306,22 @@ def run_bench(
       prompts: "humaneval", "mtbench" or a JSONL file.
       target: target name or path.
       methods: subset of BENCH_METHODS; "ar" is dflax plain decoding and the reference for speedups.
-        With several block sizes or tree budgets, "dflash" and "lookup" run once per size and budget,
-        reported as e.g. "dflash-b{B}", "lookup-t{N}", "dflash-b{B}-t{N}".
+        With several block sizes or tree budgets, "dflash", "dart" and "lookup" run once per size and
+        budget, reported as e.g. "dflash-b{B}", "lookup-t{N}", "dart-t{N}", "dflash-b{B}-t{N}".
       limit: first N prompts.
       max_new_tokens: budget per prompt.
       temperature: 0 = greedy.
       batch_size: prompts per batch, or several: every method runs at each (results carry their
         batch_size; speedups and lossless_match compare with ar at the same batch size).
       seed: sampling seed.
-      drafter: drafter path, "untrained", or None for the drafter shipped for the target.
+      drafter: drafter path, "untrained", or None for the drafter shipped for the target; "dart" needs a
+        DART directory or "untrained" here (dflash then uses the shipped drafter unless this is a DFlash
+        directory).
       block_sizes: block sizes to run; "auto" picks DFlash's per batch size from the cost model, or plain
         decoding when none pays (its result's block_size is None). Default: "auto" for a DFlash drafter
         with measured acceptance (the shipped one) decoding chains, else its trained block size; lookup: 8.
-      tree_budgets: tree budgets to run for dflash and lookup (0 = a chain, the default).
+      tree_budgets: tree budgets to run for dflash, dart and lookup (0 = a chain; the default is a chain for
+        dflash and lookup, DART's published 60 nodes for dart).
       draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
@@ -336,8 +341,8 @@ def run_bench(
     """
     from rich.progress import Progress
 
-    if tree_budgets and not {"dflash", "lookup"} & set(methods):
-        raise ValueError("--tree-budget applies to --method dflash and lookup; add one of them")
+    if tree_budgets and not {"dflash", "dart", "lookup"} & set(methods):
+        raise ValueError("--tree-budget applies to --method dflash, dart and lookup; add one of them")
     records, bad = load_prompts(prompts)
     if bad:
         raise ValueError(f"{prompts}: malformed lines: " + "; ".join(map(str, bad)))
@@ -348,7 +353,7 @@ def run_bench(
         fit_to_context(encode_prompt(loaded, r.prompt), max_new_tokens, context, False, str(r.id))
         for r in records
     ]
-    runners, settings, spec, sizes = {}, {}, None, None
+    runners, settings, spec, dart, sizes = {}, {}, None, None, None
     context = int(np.median([len(p) for p in prompt_ids])) + max_new_tokens // 2
     for method in methods:
         if method in ("ar", "hf"):
@@ -356,22 +361,39 @@ def run_bench(
             settings[method] = {"block_size": None, "tree_budget": None}
             continue
         from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
+        from dflax.drafters.dart_checkpoint import is_dart_dir
+        from dflax.drafters.dart_loader import DART_TREE_BUDGET, load_dart
         from dflax.drafters.lookup import LOOKUP_BLOCK_SIZE
 
-        if method == "lookup":
+        budgets = tree_budgets or [0]
+        if method == "dart":
+            if drafter is None:
+                raise ValueError(
+                    "--method dart needs --drafter: a DART drafter directory (`dflax train --config "
+                    "configs/train/dart-smollm2.json` exports one) or 'untrained'"
+                )
+            if draft_sampling != "greedy":
+                raise ValueError("DART drafts greedily (its trees are verified by the delta rule)")
+            dart = method_drafter = load_dart(drafter, loaded)
+            method_sizes = block_sizes or [dart.config.num_draft + 1]
+            if AUTO in method_sizes:
+                raise ValueError("--block-size auto chooses DFlash chains; give block sizes with dart")
+            budgets = tree_budgets or [DART_TREE_BUDGET]
+        elif method == "lookup":
             method_drafter = prompt_lookup()
             method_sizes = block_sizes or [LOOKUP_BLOCK_SIZE]
             if AUTO in method_sizes:
                 raise ValueError("--block-size auto needs a drafter's measured acceptance; lookup has none")
         else:
-            spec = load_drafter(drafter or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
+            dart_dir = drafter is not None and is_dart_dir(Path(drafter))
+            dflash_dir = None if dart_dir else drafter
+            spec = load_drafter(dflash_dir or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
             method_drafter = spec
             chains = not any(tree_budgets or [0])
             default = AUTO if spec.accept and chains else spec.proposer.block_size
             sizes = method_sizes = block_sizes or [default]
             if AUTO in sizes and not chains:
                 raise ValueError("--block-size auto chooses chains; give block sizes with --tree-budget")
-        budgets = tree_budgets or [0]
         for b in method_sizes:
             for n in budgets:
                 name = method + (f"-{b}" if b == AUTO else f"-b{b}" if len(method_sizes) > 1 else "")
@@ -417,7 +439,7 @@ def run_bench(
         if temperature == 0:
             pairs = zip(outputs["ar", r["batch_size"]], outputs[r["method"], r["batch_size"]])
             r["lossless_match"] = float(np.mean([a == b for a, b in pairs]))
-    _add_projection(results, loaded, spec, len(prompt_ids))
+    _add_projection(results, loaded, spec, len(prompt_ids), dart)
     report = {
         "target": target,
         "prompts": prompts,
@@ -427,6 +449,7 @@ def run_bench(
         "temperature": temperature,
         "mesh": mesh,
         "drafter": spec.name if spec else None,
+        "dart_drafter": dart.name if dart else None,
         "block_sizes": sizes,
         "tree_budgets": tree_budgets or [0],
         "refill_every": refill_every or [0],

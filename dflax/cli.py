@@ -23,10 +23,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(stderr=True)
 
 _TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"
-_METHODS = ("ar", "dflash", "lookup")
+_METHODS = ("ar", "dflash", "dart", "lookup")
 _DRAFTER_HELP = (
-    "DFlash drafter directory (official z-lab/dflash layout), 'untrained' (random, for tests); "
-    "default: the drafter dflax ships for the target"
+    "DFlash drafter directory (official z-lab/dflash layout) or, with --method dart, a DART drafter "
+    "directory; 'untrained' (random, for tests); default (dflash): the drafter dflax ships for the target"
 )
 
 
@@ -85,17 +85,33 @@ def _load_drafter(
     draft_sampling: str,
     tree_budget: int | None = None,
 ):
-    """The drafter for --method dflash or lookup (None for ar), with one clear error for bad input."""
+    """The drafter for --method dflash, dart or lookup (None for ar), with one clear error for bad input."""
     if tree_budget is not None and method == "ar":
-        _fail("--tree-budget needs --method dflash or lookup (plain decoding verifies one token per step)")
+        _fail(
+            "--tree-budget needs --method dflash, dart or lookup (plain decoding verifies one token per step)"
+        )
     if method == "ar":
         return None
     from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
+    from dflax.drafters.dart_loader import DART_TREE_BUDGET, load_dart
     from dflax.drafters.lookup import LOOKUP_BLOCK_SIZE
 
     try:
         if method == "lookup":
             return prompt_lookup(block_size or LOOKUP_BLOCK_SIZE, tree_budget or 0)
+        if method == "dart":
+            if drafter is None:
+                _fail(
+                    "--method dart needs --drafter: a DART drafter directory (`dflax train --config "
+                    "configs/train/dart-smollm2.json` exports one) or 'untrained'"
+                )
+            if draft_sampling != "greedy":
+                _fail(
+                    "--method dart drafts greedily (its trees are verified by the delta rule): drop "
+                    "--draft-sampling"
+                )
+            dart = load_dart(drafter, loaded, DART_TREE_BUDGET if tree_budget is None else tree_budget)
+            return dart.with_block_size(block_size) if block_size else dart
         loaded_drafter = load_drafter(
             drafter or SHIPPED, loaded, block_size=block_size, draft_sampling=DraftSampling(draft_sampling)
         )
@@ -187,8 +203,8 @@ def generate(
     method: str = typer.Option(
         "ar",
         help="ar (plain autoregressive), dflash (speculative, lossless; the drafter dflax ships for the "
-        "target unless --drafter is given) or lookup (prompt lookup: drafts copied from the prompt and "
-        "output, lossless, no drafter)",
+        "target unless --drafter is given), dart (speculative, lossless: DART trees from --drafter DIR) or "
+        "lookup (prompt lookup: drafts copied from the prompt and output, lossless, no drafter)",
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
     block_size: str = typer.Option(
@@ -199,8 +215,8 @@ def generate(
     ),
     tree_budget: int = typer.Option(
         None,
-        help="verify a tree of N nodes per step (dflash: best first over the drafter's block; lookup: "
-        "several occurrences' continuations); 0 = a chain",
+        help="verify a tree of N nodes per step (dflash: best first over the drafter's block; dart: its "
+        "n-gram-pruned beam, default 60; lookup: several occurrences' continuations); 0 = a chain",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     chat: bool = typer.Option(False, "--chat", help="wrap argument prompts as a user chat message"),
@@ -378,8 +394,8 @@ def bench(
     target: str = typer.Option(DEFAULT_TARGET, help=_TARGET_HELP),
     method: str = typer.Option(
         "ar",
-        help="comma-separated: ar (plain decoding), dflash (shipped or --drafter), lookup (prompt lookup), "
-        "hf (transformers)",
+        help="comma-separated: ar (plain decoding), dflash (shipped or --drafter), dart (--drafter DART "
+        "directory), lookup (prompt lookup), hf (transformers)",
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
     block_size: str = typer.Option(
@@ -389,7 +405,9 @@ def bench(
         "decoding chains, else the trained B (lookup: 8)",
     ),
     tree_budget: str = typer.Option(
-        None, help="tree budget N, or several (0,16,32: one dflash / lookup run each; 0 = a chain)"
+        None,
+        help="tree budget N, or several (0,16,32: one dflash / dart / lookup run each; 0 = a chain; dart's "
+        "default 60)",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     cost_curve: bool = typer.Option(
@@ -426,7 +444,7 @@ def bench(
         _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
     if any(b < 1 for b in batch_sizes):
         _fail(f"--batch-size {batch_size!r}: give positive integers, e.g. 8 or 8,64")
-    if plot and not {"dflash", "lookup"} & set(methods) and not cost_curve:
+    if plot and not {"dflash", "dart", "lookup"} & set(methods) and not cost_curve:
         _fail(
             "--plot draws speculative results and the cost curve: add --method ...,dflash (or lookup) or "
             "--cost-curve"

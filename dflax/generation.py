@@ -32,7 +32,7 @@ from dflax.sharding.placement import (
 from dflax.target import Target
 
 if TYPE_CHECKING:
-    from dflax.drafters import Drafter, LookupDrafter
+    from dflax.drafters import DartDrafterBound, Drafter, LookupDrafter
 
 Prompt = str | list[dict[str, str]]
 _MIN_PROMPT_BUCKET = 16
@@ -164,7 +164,7 @@ def generate_ids(
     sampling: SamplingParams,
     row_seeds: Sequence[int],
     batch_size: int,
-    drafter: Drafter | LookupDrafter | None = None,
+    drafter: Drafter | DartDrafterBound | LookupDrafter | None = None,
     warmup: bool = False,
 ) -> list[GenerationResult]:
     """Generates for one batch of already-encoded prompts (at most batch_size of them).
@@ -297,7 +297,7 @@ def generate(
     truncate: bool = False,
     row_seeds: Sequence[int] | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
-    drafter: Drafter | LookupDrafter | None = None,
+    drafter: Drafter | DartDrafterBound | LookupDrafter | None = None,
     tree_budget: int | None = None,
     refill_every: int | None = None,
 ) -> list[GenerationResult]:
@@ -315,11 +315,11 @@ def generate(
       truncate: keep the last tokens of a prompt that does not fit the context instead of failing.
       row_seeds: explicit per-prompt seeds (a prompt's output depends only on its seed).
       on_result: called with (prompt index, result) as soon as each prompt is done.
-      drafter: from `dflax.load_drafter` (DFlash) or `dflax.prompt_lookup`; None decodes one token per
-        target forward.
-      tree_budget: N > 0 verifies a tree of N nodes each step (DFlash: best first over its block; prompt
-        lookup: the continuations of several occurrences) and 0 a chain; None keeps the drafter's own
-        setting (a chain unless set).
+      drafter: from `dflax.load_drafter` (DFlash or DART), `dflax.load_dart` or `dflax.prompt_lookup`;
+        None decodes one token per target forward.
+      tree_budget: N > 0 verifies a tree of N nodes each step (DFlash: best first over its block; DART:
+        its n-gram-pruned beam; prompt lookup: the continuations of several occurrences) and 0 a chain;
+        None keeps the drafter's own setting (a chain unless set).
       refill_every: None runs static batches (each until its longest row ends); k > 0 batches
         continuously: every k decode steps finished rows are refilled with waiting prompts
         (`dflax.continuous_batching`; on_result is then called in finishing order). Outputs are the same.

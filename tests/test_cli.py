@@ -215,7 +215,35 @@ def test_lookup_and_dflash_trees_match_ar(tmp_path, target_dir):
 def test_tree_budget_needs_a_drafter(target_dir):
     result = run(target_dir, "--tree-budget", "8", "w5")
     assert result.exit_code == 2
-    assert "--tree-budget needs --method dflash or lookup" in " ".join(result.output.split())
+    assert "--tree-budget needs --method dflash, dart or lookup" in " ".join(result.output.split())
+
+
+def test_dart_generates_like_ar_and_benches_under_its_name(tmp_path, target_dir):
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    write_jsonl(prompts, PROMPTS[:2])
+    outputs = {}
+    for name, extra in {
+        "ar": [],
+        "dart": ["--method", "dart", "--drafter", "untrained", "--tree-budget", "8"],
+    }.items():
+        out = tmp_path / f"{name}.jsonl"
+        result = run(
+            target_dir, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6", *extra
+        )
+        assert result.exit_code == 0, result.output
+        outputs[name] = {k: v["tokens"] for k, v in read_results(out).items()}
+    assert outputs["dart"] == outputs["ar"]
+    result = run(target_dir, "--method", "dart", "w5")
+    assert result.exit_code == 2 and "--method dart needs --drafter" in " ".join(result.output.split())
+    args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "ar,dart"]
+    args += ["--drafter", "untrained", "--tree-budget", "0,8", "--max-new-tokens", "5", "--json", str(report)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    by_method = {r["method"]: r for r in data["results"]}
+    assert set(by_method) == {"ar", "dart-t0", "dart-t8"} and data["dart_drafter"] == "untrained"
+    assert [by_method[m]["tree_budget"] for m in ("dart-t0", "dart-t8")] == [0, 8]
+    assert all(r["lossless_match"] == 1.0 for r in by_method.values())
 
 
 def test_bench_runs_lookup_at_several_tree_budgets(tmp_path, target_dir):

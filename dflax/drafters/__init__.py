@@ -1,5 +1,6 @@
-"""Drafters: DFlash (block diffusion with KV injection) and prompt lookup. `load_drafter` returns a DFlash
-drafter ready for `generate`, `prompt_lookup` a prompt-lookup one."""
+"""Drafters: DFlash (block diffusion with KV injection), DART (parallel logits + n-gram-pruned trees) and
+prompt lookup. `load_drafter` returns a DFlash or DART drafter ready for `generate` (by what its directory
+holds), `load_dart` a DART one ("untrained" included), `prompt_lookup` a prompt-lookup one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 from pathlib import Path
 
 from dflax.drafters.checkpoint import load_drafter_checkpoint, save_drafter
+from dflax.drafters.dart_checkpoint import is_dart_dir
+from dflax.drafters.dart_loader import DartDrafterBound, load_dart
 from dflax.drafters.dflash import (
     DFlashConfig,
     DFlashDrafter,
@@ -82,11 +85,12 @@ def load_drafter(
     block_size: int | None = None,
     draft_sampling: DraftSampling = DraftSampling(),
     seed: int = 0,
-) -> Drafter:
-    """Loads a DFlash drafter for a target.
+) -> Drafter | DartDrafterBound:
+    """Loads a DFlash drafter, or a DART drafter from a DART directory, for a target.
 
     Args:
-      name_or_path: a drafter directory (official z-lab/dflash layout or one dflax saved), "shipped" for
+      name_or_path: a drafter directory (official z-lab/dflash layout or one dflax saved; a DART directory,
+        see dflax.drafters.dart_checkpoint, loads with `load_dart`), "shipped" for
         the drafter dflax ships for the target (see dflax.drafters.shipped), or "untrained" for a randomly
         initialised drafter at the target's width (tau near 1; for tests).
       target: the loaded target; the drafter shares its embedding and LM head.
@@ -118,6 +122,9 @@ def load_drafter(
                 f"drafter {name_or_path!r} not found: give a drafter directory (config.json + "
                 f"*.safetensors) or {UNTRAINED!r}"
             )
+        if is_dart_dir(path):
+            dart = load_dart(path, target, seed=seed, accept=measured_acceptance(path))
+            return dart if block_size is None else dart.with_block_size(block_size)
         config, params, draft_vocab = load_drafter_checkpoint(path, dtype)
         accept = measured_acceptance(path)
     config.check_target(target.config)
@@ -136,10 +143,12 @@ def load_drafter(
 __all__ = [
     "SHIPPED",
     "DFlashConfig",
+    "DartDrafterBound",
     "DraftSampling",
     "Drafter",
     "LookupDrafter",
     "init_drafter_params",
+    "load_dart",
     "load_drafter",
     "prompt_lookup",
     "shipped_drafter_path",

@@ -45,12 +45,13 @@ class NgramTable:
         return self.contexts.shape[1] + 1
 
 
-def build_ngram_table(sequences: Iterable[np.ndarray], order: int) -> NgramTable:
+def build_ngram_table(sequences: Iterable[np.ndarray], order: int, min_count: int = 1) -> NgramTable:
     """Counts every n-gram of the sequences (n-grams do not cross sequence ends).
 
     Args:
       sequences: 1-D int token arrays.
       order: n >= 2.
+      min_count: keep only the n-grams seen at least this often (a smaller table).
 
     Returns:
       The table as numpy arrays (jnp-compatible; move with jax.device_put).
@@ -68,6 +69,10 @@ def build_ngram_table(sequences: Iterable[np.ndarray], order: int) -> NgramTable
     if not grams:
         raise ValueError(f"the corpus holds no sequence of {order} tokens: nothing to count")
     unique, counts = np.unique(np.concatenate(grams), axis=0, return_counts=True)  # [E, n] sorted
+    keep = counts >= min_count
+    if not keep.any():
+        raise ValueError(f"no {order}-gram occurs {min_count} times: lower min_count or add data")
+    unique, counts = unique[keep], counts[keep]
     contexts, context_of = np.unique(unique[:, :-1], axis=0, return_inverse=True)
     context_of = context_of.reshape(-1)
     order_in_context = np.lexsort((unique[:, -1], -counts, context_of))  # by context, count desc, token
@@ -90,22 +95,35 @@ def find_context(table: NgramTable, context: jax.Array) -> jax.Array:
     Returns:
       [B] int32 context indices (-1 where the context never occurred).
     """
-    contexts = jnp.asarray(table.contexts)
-    num = contexts.shape[0]
-    lo = jnp.zeros(context.shape[:1], jnp.int32)
-    hi = jnp.full(context.shape[:1], num, jnp.int32)
+    return find_rows(table.contexts, context)
 
-    def halve(_, bounds):  # invariant: contexts[:lo] < query <= contexts[hi:]
+
+def find_rows(rows: jax.Array, query: jax.Array) -> jax.Array:
+    """Index of each query in lexicographically sorted distinct rows, or -1 (binary search).
+
+    Args:
+      rows: [C, w] int32, sorted lexicographically, distinct.
+      query: [B, w] int32.
+
+    Returns:
+      [B] int32 row indices (-1 where the query is not a row).
+    """
+    rows = jnp.asarray(rows)
+    num = rows.shape[0]
+    lo = jnp.zeros(query.shape[:1], jnp.int32)
+    hi = jnp.full(query.shape[:1], num, jnp.int32)
+
+    def halve(_, bounds):  # invariant: rows[:lo] < query <= rows[hi:]
         lo, hi = bounds
         mid = (lo + hi) // 2
-        diff = contexts[jnp.minimum(mid, num - 1)] - context  # [B, n - 1]
+        diff = rows[jnp.minimum(mid, num - 1)] - query  # [B, w]
         first = jnp.argmax(diff != 0, axis=-1)
-        below = jnp.take_along_axis(diff, first[:, None], axis=-1)[:, 0] < 0  # contexts[mid] < query
+        below = jnp.take_along_axis(diff, first[:, None], axis=-1)[:, 0] < 0  # rows[mid] < query
         open_ = lo < hi
         return jnp.where(open_ & below, mid + 1, lo), jnp.where(open_ & ~below, mid, hi)
 
     lo, _ = jax.lax.fori_loop(0, max(num, 1).bit_length(), halve, (lo, hi))
-    found = (lo < num) & jnp.all(contexts[jnp.minimum(lo, num - 1)] == context, axis=-1)
+    found = (lo < num) & jnp.all(rows[jnp.minimum(lo, num - 1)] == query, axis=-1)
     return jnp.where(found, lo, -1)
 
 

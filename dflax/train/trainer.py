@@ -63,6 +63,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dflax.drafters.checkpoint import save_drafter
+from dflax.drafters.dart import DartConfig, DartDrafter, init_dart_params
+from dflax.drafters.dart_checkpoint import save_dart
 from dflax.drafters.dflash import (
     DRAFTER_LAYER_ARCHS,
     DFlashConfig,
@@ -74,7 +76,8 @@ from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.models.transformer import Transformer
 from dflax.sharding.training import TrainingSharding
 from dflax.target import Target, weights_fingerprint
-from dflax.train import objective
+from dflax.train import dart_objective, objective
+from dflax.train.dart_ngram import response_ngram_tables
 from dflax.train.features import FeatureCache, cache_features
 from dflax.train.recipe import read_recipe
 from dflax.train.report import METRICS, write_report
@@ -99,6 +102,10 @@ _ORDER_FIELDS = (
 # exported drafter (dflax.train.warm_start).
 INITS = ("random", "target", "drafter")
 
+# What a recipe trains: a DFlash drafter (block diffusion, dflax.drafters.dflash) or a DART drafter
+# (one causal layer with parallel logits, dflax.drafters.dart; trained by dflax.train.dart_objective).
+METHODS = ("dflash", "dart")
+
 # The drafter's decoder-layer kind: "qwen3" (q/k-norm, the official layout) or "target" (the target's own
 # kind, so layers copied by init "target" behave as in the target: no q/k-norm for a Llama target).
 LAYER_KINDS = ("qwen3", "target")
@@ -106,12 +113,14 @@ LAYER_KINDS = ("qwen3", "target")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """A DFlash training recipe (configs/train/*.json holds these fields).
+    """A drafter training recipe (configs/train/*.json holds these fields).
 
     Attributes:
+      method: "dflash" or "dart" (DART: num_layers 1, init "random", block_size = d + 1, the loss is the
+        depth-weighted KL of dflax.train.dart_objective; gamma, mask_token_id, layer_kind are DFlash's).
       target: the target to train against (built-in name, .gguf or HF directory).
       num_layers: drafter decoder layers.
-      block_size: B, the anchor + B - 1 drafted positions.
+      block_size: B, the anchor + B - 1 drafted positions (DART: the last token + d drafted depths).
       gamma: decay of the loss weights exp(-(k - 1) / gamma); None = the paper's value for B.
       target_layer_ids: target layers fused as features; None = the published spread.
       mask_token_id: a target token used as the mask; None = a learned mask embedding.
@@ -146,7 +155,12 @@ class TrainConfig:
       export_dtype: dtype of the exported drafter weights ("bfloat16" or "float32").
       feature_cache_dir: where the target-feature cache lives; None = `out_dir/features`. Runs on the
         same sequences and target may share one (a cache of other data is rebuilt, not misread).
+      depth_decay: DART's loss weight decay^(t - 1) of depth t.
+      ngram_min_count: DART's exported n-gram counts (orders 3 and 2 of the training responses) keep the
+        n-grams seen at least this often.
     """
+
+    method: str = "dflash"
 
     target: str = "smollm2-135m"
     num_layers: int = 3
@@ -178,6 +192,8 @@ class TrainConfig:
     seed: int = 0
     export_dtype: str = "bfloat16"
     feature_cache_dir: str | None = None
+    depth_decay: float = dart_objective.DEPTH_DECAY
+    ngram_min_count: int = 2
 
     def __post_init__(self):
         if self.target_layer_ids is not None:
@@ -220,6 +236,19 @@ class TrainConfig:
             raise ValueError(f"training config: anchor_stride must be >= 0, got {self.anchor_stride}")
         if self.export_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"training config: export_dtype {self.export_dtype!r}; use bfloat16 or float32")
+        if self.method not in METHODS:
+            raise ValueError(
+                f"training config: method {self.method!r} unknown; use one of {', '.join(METHODS)}"
+            )
+        if self.method == "dart":
+            if self.num_layers != 1 or self.init != "random":
+                raise ValueError(
+                    "training config: a DART drafter has one layer and starts from random weights: set "
+                    f"num_layers 1 and init 'random' (got num_layers {self.num_layers}, init {self.init!r})"
+                )
+            if not 0.0 < self.depth_decay <= 1.0:
+                raise ValueError(f"training config: depth_decay must be in (0, 1], got {self.depth_decay}")
+            return
         objective.position_weights(self.block_size, self.loss_gamma)  # validates gamma
 
     @property
@@ -239,8 +268,16 @@ class TrainConfig:
             data["target_layer_ids"] = list(self.target_layer_ids)
         return data
 
-    def drafter_config(self, target: Target) -> DFlashConfig:
+    def drafter_config(self, target: Target) -> DFlashConfig | DartConfig:
         """The drafter architecture this recipe trains for `target`."""
+        if self.method == "dart":
+            return DartConfig.for_target(
+                target.config,
+                self.block_size - 1,
+                self.target_layer_ids,
+                self.draft_vocab_size or None,
+                self.feature_norm,
+            )
         layer_arch = self.layer_kind
         if layer_arch == "target":
             layer_arch = target.config.arch
@@ -377,21 +414,8 @@ def make_optimizer(config: TrainConfig, total_steps: int) -> optax.GradientTrans
     )
 
 
-def make_steps(
-    proposer: DFlashProposer,
-    config: TrainConfig,
-    tx: optax.GradientTransformation,
-    sharding: TrainingSharding | None = None,
-):
-    """The jitted train step (state donated) and eval step.
-
-    With `sharding` the step keeps the new state in its FSDP shards (`dflax.sharding.training`); its inputs
-    must already be placed there (`TrainingSharding.place_state` / `place_batch`).
-
-    Returns:
-      train_step(state, target_params, batch) -> (state, metrics) and
-      eval_step(params, target_params, batch, key) -> (loss, BlockStats).
-    """
+def dflash_loss_fn(proposer: DFlashProposer, config: TrainConfig) -> Callable:
+    """DFlash's loss_fn(params, target_params, batch, key) -> (loss, BlockStats) for `make_steps`."""
     weights = objective.position_weights(config.block_size, config.loss_gamma)  # [n]
     n = config.block_size - 1
 
@@ -416,6 +440,41 @@ def make_steps(
             config.logits_chunk,
             config.attention_chunk,
         )
+
+    return loss_fn
+
+
+def dart_loss_fn(module: DartDrafter, target: Transformer, vocab, config: TrainConfig) -> Callable:
+    """DART's loss_fn(params, target_params, batch, key) -> (loss, BlockStats) for `make_steps`."""
+
+    def loss_fn(params, target_params, batch, key):
+        return dart_objective.dart_loss(
+            module,
+            target,
+            vocab,
+            params,
+            target_params,
+            batch,
+            key,
+            config.anchors_per_seq,
+            config.depth_decay,
+        )
+
+    return loss_fn
+
+
+def make_steps(
+    loss_fn: Callable, tx: optax.GradientTransformation, sharding: TrainingSharding | None = None
+):
+    """The jitted train step (state donated) and eval step of a loss (`dflash_loss_fn`, `dart_loss_fn`).
+
+    With `sharding` the step keeps the new state in its FSDP shards (`dflax.sharding.training`); its inputs
+    must already be placed there (`TrainingSharding.place_state` / `place_batch`).
+
+    Returns:
+      train_step(state, target_params, batch) -> (state, metrics) and
+      eval_step(params, target_params, batch, key) -> (loss, BlockStats).
+    """
 
     def train_step(state: TrainState, target_params, batch):
         rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
@@ -447,19 +506,21 @@ class _Programs:
       train_step, eval_step: see `make_steps`.
       features: (target_params, tokens [rows, S], lengths [rows]) -> [L, K * D] bf16 target features of the
         rows' real tokens back to back (the prefill path; rows and L from the recipe).
+      taps: the target layers cached as features (DART's: its fused layers, then the target's last).
     """
 
-    module: DFlashDrafter
+    module: DFlashDrafter | DartDrafter
     tx: optax.GradientTransformation
     sharding: TrainingSharding | None
     train_step: Callable
     eval_step: Callable
     features: Callable
+    taps: tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=4)
 def _programs(
-    dflash: DFlashConfig,
+    drafter: DFlashConfig | DartConfig,
     target: Transformer,
     config: TrainConfig,
     total_steps: int,
@@ -471,20 +532,25 @@ def _programs(
 
     Later `train` calls in the same process (a resume, a notebook) reuse the compiled steps.
     """
-    module = DFlashDrafter(dflash, jnp.float32, attention_backend="reference")
     tx = make_optimizer(config, total_steps)
     vocab = None if draft_vocab is None else np.asarray(draft_vocab, np.int32)
-    proposer = DFlashProposer(module, target, config.block_size, draft_vocab=vocab)
-    sharding = None if mesh is None else TrainingSharding.for_drafter(dflash.layers, mesh)
-    train_step, eval_step = make_steps(proposer, config, tx, sharding)
-    taps = dflash.target_layer_ids
+    if isinstance(drafter, DartConfig):
+        module = DartDrafter(drafter, jnp.float32)
+        loss_fn = dart_loss_fn(module, target, vocab, config)
+        taps = drafter.target_layer_ids + (target.config.num_layers - 1,)  # + the KL's target logits
+    else:
+        module = DFlashDrafter(drafter, jnp.float32, attention_backend="reference")
+        loss_fn = dflash_loss_fn(DFlashProposer(module, target, config.block_size, draft_vocab=vocab), config)
+        taps = drafter.target_layer_ids
+    sharding = None if mesh is None else TrainingSharding.for_drafter(drafter.layers, mesh)
+    train_step, eval_step = make_steps(loss_fn, tx, sharding)
     pack = config.feature_tokens
     features = jax.jit(
         lambda params, tokens, lengths: objective.target_features(
             target, params, tokens, lengths, taps, pack
         ).astype(jnp.bfloat16)
     )
-    return _Programs(module, tx, sharding, train_step, eval_step, features)
+    return _Programs(module, tx, sharding, train_step, eval_step, features, taps)
 
 
 class _StopFlag:
@@ -597,9 +663,10 @@ def _progress_text(record: dict, tau: float | None) -> str:
 
 
 def _initial_state(
-    module: DFlashDrafter, tx: optax.GradientTransformation, config: TrainConfig, target: Target
+    module: DFlashDrafter | DartDrafter, tx: optax.GradientTransformation, config: TrainConfig, target: Target
 ) -> TrainState:
-    params = init_drafter_params(module, config.seed)
+    init = init_dart_params if isinstance(module, DartDrafter) else init_drafter_params
+    params = init(module, config.seed)
     if config.init == "target":
         params = init_from_target(params, target.params, target.config, module.config)
     elif config.init == "drafter":
@@ -661,8 +728,8 @@ def train(
         f"filling it), {len(val)} validation; "
         f"{total_steps} steps of {config.batch_size} sequences x {config.anchors_per_seq} blocks"
     )
-    dflash = config.drafter_config(target)
-    dflash.check_target(target.config)
+    drafter_config = config.drafter_config(target)
+    drafter_config.check_target(target.config)
     draft_vocab = None
     if config.draft_vocab_size:
         # What the drafter is trained to draft: the responses, as truncated to max_seq_len.
@@ -671,8 +738,10 @@ def train(
         console.print(f"draft vocabulary: the {len(draft_vocab)} most frequent response tokens")
     vocab_key = None if draft_vocab is None else tuple(draft_vocab.tolist())
     if target.mesh is not None:
-        TrainingSharding.for_drafter(dflash.layers, target.mesh).check_batch(config.batch_size)
-    programs = _programs(dflash, target.module, config, total_steps, vocab_key, target.mesh)
+        if isinstance(drafter_config, DartConfig):
+            raise ValueError("DART trains on one device for now: leave out --mesh (DFlash trains on a mesh)")
+        TrainingSharding.for_drafter(drafter_config.layers, target.mesh).check_batch(config.batch_size)
+    programs = _programs(drafter_config, target.module, config, total_steps, vocab_key, target.mesh)
     state = _initial_state(programs.module, programs.tx, config, target)
     place_batch = (lambda batch: batch) if programs.sharding is None else programs.sharding.place_batch
     if programs.sharding is not None:
@@ -716,7 +785,7 @@ def train(
             cache_features,
             target=target,
             weights=weights_fingerprint(target),
-            taps=dflash.target_layer_ids,
+            taps=programs.taps,
             compute=programs.features,
             rows=config.feature_rows,
             pack_tokens=config.feature_tokens,
@@ -771,6 +840,12 @@ def train(
         console.print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, rerun to resume")
         return TrainResult(step, total_steps, stop.signum, params, None, log)
     drafter_dir = out_dir / "drafter"
-    save_drafter(drafter_dir, dflash, params, target.config.num_layers, config.export_dtype, draft_vocab)
+    layers = target.config.num_layers
+    if isinstance(drafter_config, DartConfig):
+        responses = ((t[:n], p) for t, p, n in zip(data.tokens, data.prompt_lens, data.lengths))
+        tables = response_ngram_tables(responses, config.ngram_min_count)
+        save_dart(drafter_dir, drafter_config, params, layers, config.export_dtype, draft_vocab, tables)
+    else:
+        save_drafter(drafter_dir, drafter_config, params, layers, config.export_dtype, draft_vocab)
     console.print(f"drafter ({config.export_dtype}) written to {drafter_dir}")
     return TrainResult(step, total_steps, None, params, drafter_dir, log)
