@@ -2,12 +2,12 @@
 
 XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax starts, so the tests (which run
 with one device) start this file with it. It generates with one target unsharded and on each mesh asked
-for, plain, DFlash chains and DFlash trees, at T=0 and T=1 with fixed seeds, and prints one JSON object:
-the tokens of every run, and how the compiled decode loop of each mesh received every parameter (the shard
-shape of each input).
+for, plain, DFlash chains and (with a tree_budget) DFlash trees, at T=0 and T=1 with fixed seeds, and
+prints one JSON object: the tokens of every run, and how the compiled decode loop of each mesh received
+every parameter (the shard shape of each input).
 
 Usage: python sharded_run.py '{"target": ..., "drafter": ..., "meshes": [...], "prompts": [[...]],
-  "max_new_tokens": N, "block_size": B}'
+  "max_new_tokens": N, "block_size": B, "tree_budget": N (optional)}'
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from dflax.generation import _rules, compiled_programs, generate_ids
 from dflax.sharding.placement import place_replicated, place_rows, sharded_cache
 
 TEMPERATURES = (0.0, 1.0)
-TREE_BUDGET = 6  # best-first trees over the DFlash block, verified under their ancestor mask
 
 
 def run(target, drafter, spec) -> dict:
     """method/temperature -> the tokens of every prompt."""
     out = {}
-    methods = (("ar", None), ("dflash", drafter), ("dflash-tree", drafter.with_tree_budget(TREE_BUDGET)))
+    methods = [("ar", None), ("dflash", drafter)]
+    if spec.get("tree_budget"):  # best-first trees over the DFlash block, verified under their ancestor mask
+        methods.append(("dflash-tree", drafter.with_tree_budget(spec["tree_budget"])))
     for method, d in methods:
         for temperature in TEMPERATURES:
             results = generate_ids(

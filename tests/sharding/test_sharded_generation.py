@@ -83,9 +83,10 @@ def test_tiny_qwen3_with_8_kv_heads_on_data_model_and_both(tiny_checkpoint):
 
 
 def test_tiny_qwen3_with_kv_heads_replicated(tiny_checkpoint):
-    """4 query heads over 2 KV heads on model=4: KV heads are replicated, each device reads its own one."""
+    """4 query heads over 2 KV heads on model=4: KV heads are replicated, each device reads its own one.
+    DFlash trees run here too (one mesh keeps the test short)."""
     spec = dict(
-        target=str(tiny_checkpoint("qwen3")[0]), drafter="untrained", block_size=4,
+        target=str(tiny_checkpoint("qwen3")[0]), drafter="untrained", block_size=4, tree_budget=6,
         meshes=["data=2,model=4"], prompts=PROMPTS, max_new_tokens=10,
     )  # fmt: skip
     report = run_sharded(spec)
