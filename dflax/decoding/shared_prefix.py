@@ -51,9 +51,11 @@ def share_groups(
     prompt_ids: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_TOKENS
 ) -> list[PrefixGroup]:
     """Groups consecutive prompts greedily: a group grows while its prompts' common prefix stays at least
-    `min_shared` tokens. A prefix stops one token before its shortest prompt ends (every row prefills its
-    last prompt token itself, whose logits give its first new token). Rows that share with no neighbour
-    form one group with an empty prefix.
+    `min_shared` tokens and at least half of what the group shared before (so the samples of one prompt
+    form their own group rather than joining the next prompt's under a short common system message). A
+    prefix stops one token before its shortest prompt ends (every row prefills its last prompt token
+    itself, whose logits give its first new token). Rows that share with no neighbour form one group with
+    an empty prefix.
 
     Returns:
       The groups (every row in exactly one), or [] when no two prompts share min_shared tokens.
@@ -69,7 +71,7 @@ def share_groups(
 
     for i, ids in enumerate(prompt_ids):
         joined = min(length, common_prefix_length(prompt_ids[rows[0]], ids), len(ids) - 1) if rows else 0
-        if rows and joined >= min_shared:
+        if rows and joined >= min_shared and 2 * joined >= length:
             rows.append(i)
             length = joined
             continue
