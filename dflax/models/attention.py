@@ -164,9 +164,11 @@ def _attend_shared(cfg, shared, q, k_cache, v_cache, cache_len, k_new, v_new, ne
             "a shared prefix is read by global-attention layers only; this layer has a sliding window "
             "(use shared_prefix='none' for this model)"
         )
+    backend, interpret = _kernel_backend(cfg.backend)
     return shared_prefix_attention(
         q, shared.k[0], shared.v[0], shared.lengths, shared.layout, k_cache, v_cache, cache_len, k_new, v_new,
         new_mask, sm_scale=cfg.scale, causal=causal,
+        prefix_kernel=interpret or resolve_backend(backend) in ("tpu", "gpu"), interpret=interpret,
     )  # fmt: skip
 
 
@@ -278,7 +280,8 @@ class Attention(nn.Module):
             in the kernels. Only for prompts: needs `empty_cache` and a causal new_mask.
           shared: this layer's shared prefixes (`SharedPrefix.layer`): each row also attends to its group's
             prefix, in front of its own cache, by the two-level attention of pallas_kernels.shared_prefix
-            (the jnp path on every backend; global-attention layers only).
+            (the prefix level by its Pallas kernel where the backend is Pallas, jnp elsewhere; each row's
+            own part in jnp; global-attention layers only).
 
         Returns:
           (out [B, T, D] (packed [1, L, D] with `packing`), k_cache, v_cache [B, S, K, H] with the new

@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.shared_prefix.layout import GroupLayout
+from pallas_kernels.shared_prefix.pallas import combine_tiles, prefix_tiles
 from pallas_kernels.tree_attention.chunked import _prefix, _prefix_single_query, online_update
 from pallas_kernels.tree_attention.reference import MASK_VALUE
 
 _HI = jax.lax.Precision.HIGHEST
+KERNEL_BLOCK_KV = 512  # prefix slots per kernel tile
 
 
 def shared_prefix_attention(
@@ -40,6 +42,8 @@ def shared_prefix_attention(
     sm_scale: float,
     causal: bool = False,
     query_block: int = 256,
+    prefix_kernel: bool = False,
+    interpret: bool = False,
 ) -> jax.Array:
     """Attention of each row's new tokens to its group's shared prefix, its own cache and each other.
 
@@ -55,6 +59,9 @@ def shared_prefix_attention(
       sm_scale: logit scale.
       causal: static promise that new_mask is lower-triangular (query blocks skip later keys).
       query_block: new tokens per query block.
+      prefix_kernel: run level 1 (the prefix) as the Pallas kernel of `pallas_kernels.shared_prefix.pallas`
+        (Mosaic on TPU, Triton on GPU) instead of jnp.
+      interpret: with prefix_kernel, run it in Pallas interpret mode (CPU tests).
 
     Returns:
       [B, T, N, H] in q's dtype (fp32 accumulation), equal to per-row attention over the concatenation.
@@ -67,7 +74,7 @@ def shared_prefix_attention(
             f"num_heads={n} a multiple of num_kv_heads, got {prefix_k.shape}"
         )
     qf = q.astype(jnp.float32).reshape(b, t, kv, n // kv, h) * sm_scale  # [B, T, K, Q, H]
-    state = _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout)
+    state = _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout, prefix_kernel, interpret)
     if k_cache.shape[1]:
         cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[1])
         positions = jnp.zeros((b, t), jnp.int32)  # positions only matter to sliding windows (none here)
@@ -88,7 +95,7 @@ def shared_prefix_attention(
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout):
+def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout, kernel: bool, interpret: bool):
     """Softmax state of every row's queries qf [B, T, K, Q, H] over its group's prefix.
 
     Returns:
@@ -96,18 +103,13 @@ def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout):
     """
     b, t, kv, nq, h = qf.shape
     g, r = layout.members.shape
-    slots = prefix_k.shape[2]
     # The group's rows side by side; free places (index B) read the zero row appended here.
     padded = jnp.concatenate([qf, jnp.zeros((1, t, kv, nq, h), qf.dtype)])
     grouped = padded[layout.members].transpose(0, 3, 1, 2, 4, 5).reshape(g, kv, r * t * nq, h)  # [G, K, X, H]
-    scores = jnp.einsum("GKXH,GKLH->GKXL", grouped, prefix_k.astype(jnp.float32), precision=_HI)
-    visible = (jnp.arange(slots)[None, :] < prefix_len[:, None])[:, None, None, :]  # [G, 1, 1, L]
-    scores = jnp.where(visible, scores, MASK_VALUE)
-    m = scores.max(axis=-1)  # [G, K, X]
-    p = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
-    denom = p.sum(axis=-1)
-    values = jnp.where(visible[:, :, 0, :, None], prefix_v.astype(jnp.float32), 0.0)  # unread slots: 0
-    acc = jnp.einsum("GKXL,GKLH->GKXH", p, values, precision=_HI)
+    if kernel:
+        m, denom, acc = _prefix_by_kernel(grouped, prefix_k, prefix_v, prefix_len, interpret)
+    else:
+        m, denom, acc = _prefix_dense(grouped, prefix_k, prefix_v, prefix_len)
 
     def to_rows(x):  # [G, K, X, ...] -> [B, T, K, Q, ...]
         tail = x.shape[3:]
@@ -116,3 +118,30 @@ def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout):
         return x[layout.row_slot]
 
     return to_rows(m), to_rows(denom), to_rows(acc)
+
+
+def _prefix_dense(grouped, prefix_k, prefix_v, prefix_len):
+    """Level 1 in jnp: [G, K, X, H] queries over [G, K, L, H] prefixes -> max, denominator [G, K, X] and
+    numerator [G, K, X, H], one matmul per (group, kv head)."""
+    slots = prefix_k.shape[2]
+    scores = jnp.einsum("GKXH,GKLH->GKXL", grouped, prefix_k.astype(jnp.float32), precision=_HI)
+    visible = (jnp.arange(slots)[None, :] < prefix_len[:, None])[:, None, None, :]  # [G, 1, 1, L]
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    m = scores.max(axis=-1)  # [G, K, X]
+    p = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
+    values = jnp.where(visible[:, :, 0, :, None], prefix_v.astype(jnp.float32), 0.0)  # unread slots: 0
+    return m, p.sum(axis=-1), jnp.einsum("GKXL,GKLH->GKXH", p, values, precision=_HI)
+
+
+def _prefix_by_kernel(grouped, prefix_k, prefix_v, prefix_len, interpret):
+    """Level 1 by the Pallas tile kernel: queries padded to a multiple of 8, the prefix to whole tiles."""
+    x, slots = grouped.shape[2], prefix_k.shape[2]
+    block_kv = min(KERNEL_BLOCK_KV, max(8, 1 << (slots - 1).bit_length()))
+    pad_x, pad_l = -x % 8, -slots % block_kv
+    queries = jnp.pad(grouped, ((0, 0), (0, 0), (0, pad_x), (0, 0)))
+    pad_kv = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, pad_l), (0, 0)))  # noqa: E731
+    tiles = prefix_tiles(
+        queries, pad_kv(prefix_k), pad_kv(prefix_v), prefix_len, block_kv=block_kv, interpret=interpret
+    )
+    m, denom, acc = combine_tiles(*tiles)
+    return m[:, :, :x], denom[:, :, :x], acc[:, :, :x]

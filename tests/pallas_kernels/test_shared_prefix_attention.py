@@ -3,14 +3,20 @@
 Groups of different sizes (with free places), ragged prefixes and own caches (empty ones included), chains
 and trees of new tokens, decode (one query) and prefill-like blocks; unread prefix and cache slots hold NaN,
 so any read of them shows. A mis-grouped layout (rows swapped between groups) must fail the same check.
+The Pallas prefix kernel: the same oracle in interpret mode, the prefix tiles its index map fetches (once
+per group and KV head), and lowering for TPU (Mosaic) and CUDA (Triton).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_tree_attention import TRITON_TARGETS
 
 from dflax.decoding.tree import ancestor_mask
 from pallas_kernels.shared_prefix import GroupLayout, shared_prefix_attention, shared_prefix_reference
+from pallas_kernels.shared_prefix.pallas import prefix_tiles
+from pallas_kernels.shared_prefix.traffic import decode_step_traffic, kv_bytes_per_token
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -99,3 +105,101 @@ def test_layout_rejects_overfull_groups():
         GroupLayout.of_groups([[0, 1, 2]], 3, num_groups=1, group_rows=2)
     with pytest.raises(ValueError, match="two groups"):
         GroupLayout.of_groups([[0, 1], [1]], 3, num_groups=2, group_rows=2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The Pallas prefix kernel (level 1): interpret mode, tiles fetched, lowering for TPU and CUDA
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["decode-ragged-groups", "trees"])
+def test_prefix_kernel_equals_per_row_attention(case):
+    groups, prefix_lens, cache_lens, t, heads, kv_heads, mask = case
+    inputs = make_case(4, groups, prefix_lens, cache_lens, t, heads, kv_heads, mask)
+    layout = GroupLayout.of_groups(groups, len(cache_lens), num_groups=len(groups), group_rows=4)
+    args = {k: jnp.asarray(v) for k, v in inputs.items()}
+    got = shared_prefix_attention(
+        args["q"], args["prefix_k"], args["prefix_v"], args["prefix_len"], layout, args["k_cache"],
+        args["v_cache"], args["cache_len"], args["k_new"], args["v_new"], args["new_mask"],
+        sm_scale=0.3, causal=True, prefix_kernel=True, interpret=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), run_reference(inputs, np.asarray(layout.row_group)), **TOL)
+
+
+@pytest.mark.parametrize("rows, t", [(1, 1), (6, 1), (6, 9)])
+def test_prefix_tiles_fetched_once_per_group_and_kv_head(rows, t):
+    """The prefix K index map, recorded in interpret mode, asks for each (group, KV head, tile) once:
+    the same fetches for one row or six, one new token or nine (the per-row layout fetches rows x more)."""
+    g, kv, h, slots, block = 2, 3, 16, 256, 64
+    q_per_kv = 2
+    rng = np.random.default_rng(0)
+    x = -(-rows * t * q_per_kv // 8) * 8
+    queries = jnp.asarray(rng.normal(size=(g, kv, x, h)), jnp.float32)
+    prefix = jnp.asarray(rng.normal(size=(g, kv, slots, h)), jnp.float32)
+    fetched = []
+    prefix_tiles(
+        queries, prefix, prefix, jnp.array([256, 200], jnp.int32), block_kv=block, interpret=True,
+        index_probe=lambda *idx: fetched.append(tuple(int(i) for i in idx)),
+    )  # fmt: skip
+    jax.effects_barrier()
+    expected = [(gi, ki, ti) for gi in range(g) for ki in range(kv) for ti in range(slots // block)]
+    assert sorted(fetched) == expected
+
+
+def lowering_args(dtype):
+    b, t, heads, kv, h, slots, prefix_slots = 8, 4, 8, 2, 128, 256, 1024
+    spec = jax.ShapeDtypeStruct
+    return (
+        spec((b, t, heads, h), dtype),
+        spec((2, kv, prefix_slots, h), dtype),
+        spec((2, kv, prefix_slots, h), dtype),
+        spec((2,), jnp.int32),
+        GroupLayout.of_groups([[0, 1, 2, 3], [4, 5, 6, 7]], b, 2, 4),
+        spec((b, slots, kv, h), dtype),
+        spec((b, slots, kv, h), dtype),
+        spec((b,), jnp.int32),
+        spec((b, t, kv, h), dtype),
+        spec((b, t, kv, h), dtype),
+        spec((b, t, t), jnp.bool_),
+    )
+
+
+def _with_kernel(*args):
+    return shared_prefix_attention(*args, sm_scale=0.1, causal=True, prefix_kernel=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefix_kernel_lowers_for_tpu(dtype):
+    exported = jax.export.export(jax.jit(_with_kernel), platforms=["tpu"])(*lowering_args(dtype))
+    text = exported.mlir_module()
+    assert "tpu_custom_call" in text and "shared_prefix_tiles" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefix_kernel_lowers_for_cuda(dtype):
+    """Lowered to Triton IR; the export's check of custom-call stability is disabled for Triton's call
+    (see test_tree_attention.test_gpu_kernel_lowers)."""
+    allow = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
+    exported = jax.export.export(jax.jit(_with_kernel), platforms=["cuda"], disabled_checks=allow)(
+        *lowering_args(dtype)
+    )
+    text = exported.mlir_module()
+    assert any(t in text for t in TRITON_TARGETS) and "shared_prefix_tiles" in text
+
+
+def test_traffic_formula_equals_fetched_tiles():
+    """MEMORY_TRAFFIC.md's prefix bytes (one layer) are the kernel's fetched tiles times the tile size."""
+    g, kv, h, slots, block, rows = 2, 3, 16, 256, 64, 6
+    fetched = []
+    prefix = jnp.zeros((g, kv, slots, h), jnp.float32)
+    prefix_tiles(
+        jnp.zeros((g, kv, 8, h), jnp.float32), prefix, prefix, jnp.array([256, 256], jnp.int32),
+        block_kv=block, interpret=True, index_probe=lambda *idx: fetched.append(idx),
+    )  # fmt: skip
+    jax.effects_barrier()
+    tile_bytes = 2 * block * h * 4  # a K tile and its V tile, fp32
+    traffic = decode_step_traffic(
+        kv_bytes_per_token(1, kv, h, 4), rows=rows * g, prefix=slots, own=0, groups=g
+    )
+    assert len(fetched) * tile_bytes == traffic.prefix_shared
+    assert traffic.prefix_unshared == rows * traffic.prefix_shared
