@@ -157,6 +157,12 @@ def attend(
     return run(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions)
 
 
+def _pallas_platform(backend: str) -> str | None:
+    """The Pallas platform ("tpu" or "gpu") a kernel backend resolves to, else None (the jnp path)."""
+    resolved = resolve_backend(backend)
+    return resolved if resolved in ("tpu", "gpu") else None
+
+
 def _attend_shared(cfg, shared, q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, causal):
     """Shared prefix + own cache + new-token attention: [B, T, N, H] (see `Attention.__call__`)."""
     if cfg.sliding_window is not None:
@@ -168,7 +174,7 @@ def _attend_shared(cfg, shared, q, k_cache, v_cache, cache_len, k_new, v_new, ne
     return shared_prefix_attention(
         q, shared.k[0], shared.v[0], shared.lengths, shared.layout, k_cache, v_cache, cache_len, k_new, v_new,
         new_mask, sm_scale=cfg.scale, causal=causal,
-        prefix_kernel=interpret or resolve_backend(backend) in ("tpu", "gpu"), interpret=interpret,
+        prefix_kernel="gpu" if interpret else _pallas_platform(backend), interpret=interpret,
     )  # fmt: skip
 
 

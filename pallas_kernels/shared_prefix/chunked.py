@@ -23,7 +23,7 @@ from pallas_kernels.tree_attention.chunked import _prefix, _prefix_single_query,
 from pallas_kernels.tree_attention.reference import MASK_VALUE
 
 _HI = jax.lax.Precision.HIGHEST
-KERNEL_BLOCK_KV = 512  # prefix slots per kernel tile
+KERNEL_BLOCK_KV = {"tpu": 512, "gpu": 128}  # prefix slots per kernel tile
 
 
 def shared_prefix_attention(
@@ -42,7 +42,7 @@ def shared_prefix_attention(
     sm_scale: float,
     causal: bool = False,
     query_block: int = 256,
-    prefix_kernel: bool = False,
+    prefix_kernel: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Attention of each row's new tokens to its group's shared prefix, its own cache and each other.
@@ -59,8 +59,8 @@ def shared_prefix_attention(
       sm_scale: logit scale.
       causal: static promise that new_mask is lower-triangular (query blocks skip later keys).
       query_block: new tokens per query block.
-      prefix_kernel: run level 1 (the prefix) as the Pallas kernel of `pallas_kernels.shared_prefix.pallas`
-        (Mosaic on TPU, Triton on GPU) instead of jnp.
+      prefix_kernel: "tpu" or "gpu": run level 1 (the prefix) as that platform's Pallas kernel
+        (`pallas_kernels.shared_prefix.pallas`: Mosaic on TPU, Triton on GPU); None runs it in jnp.
       interpret: with prefix_kernel, run it in Pallas interpret mode (CPU tests).
 
     Returns:
@@ -95,7 +95,7 @@ def shared_prefix_attention(
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout, kernel: bool, interpret: bool):
+def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout, kernel, interpret: bool):
     """Softmax state of every row's queries qf [B, T, K, Q, H] over its group's prefix.
 
     Returns:
@@ -106,8 +106,8 @@ def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout, kerne
     # The group's rows side by side; free places (index B) read the zero row appended here.
     padded = jnp.concatenate([qf, jnp.zeros((1, t, kv, nq, h), qf.dtype)])
     grouped = padded[layout.members].transpose(0, 3, 1, 2, 4, 5).reshape(g, kv, r * t * nq, h)  # [G, K, X, H]
-    if kernel:
-        m, denom, acc = _prefix_by_kernel(grouped, prefix_k, prefix_v, prefix_len, interpret)
+    if kernel is not None:
+        m, denom, acc = _prefix_by_kernel(grouped, prefix_k, prefix_v, prefix_len, kernel, interpret)
     else:
         m, denom, acc = _prefix_dense(grouped, prefix_k, prefix_v, prefix_len)
 
@@ -133,15 +133,16 @@ def _prefix_dense(grouped, prefix_k, prefix_v, prefix_len):
     return m, p.sum(axis=-1), jnp.einsum("GKXL,GKLH->GKXH", p, values, precision=_HI)
 
 
-def _prefix_by_kernel(grouped, prefix_k, prefix_v, prefix_len, interpret):
+def _prefix_by_kernel(grouped, prefix_k, prefix_v, prefix_len, platform, interpret):
     """Level 1 by the Pallas tile kernel: queries padded to a multiple of 8, the prefix to whole tiles."""
     x, slots = grouped.shape[2], prefix_k.shape[2]
-    block_kv = min(KERNEL_BLOCK_KV, max(8, 1 << (slots - 1).bit_length()))
+    block_kv = min(KERNEL_BLOCK_KV[platform], max(8, 1 << (slots - 1).bit_length()))
     pad_x, pad_l = -x % 8, -slots % block_kv
     queries = jnp.pad(grouped, ((0, 0), (0, 0), (0, pad_x), (0, 0)))
     pad_kv = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, pad_l), (0, 0)))  # noqa: E731
     tiles = prefix_tiles(
-        queries, pad_kv(prefix_k), pad_kv(prefix_v), prefix_len, block_kv=block_kv, interpret=interpret
-    )
+        queries, pad_kv(prefix_k), pad_kv(prefix_v), prefix_len, block_kv=block_kv, platform=platform,
+        interpret=interpret,
+    )  # fmt: skip
     m, denom, acc = combine_tiles(*tiles)
     return m[:, :, :x], denom[:, :, :x], acc[:, :, :x]

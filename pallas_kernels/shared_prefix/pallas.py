@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.tree_attention.reference import MASK_VALUE
 
@@ -54,7 +55,7 @@ def _tile_kernel(len_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, block_k
         acc_ref[...] = jnp.dot(p, v, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "interpret", "index_probe"))
+@functools.partial(jax.jit, static_argnames=("block_kv", "platform", "interpret", "index_probe"))
 def prefix_tiles(
     queries: jax.Array,
     prefix_k: jax.Array,
@@ -62,6 +63,7 @@ def prefix_tiles(
     prefix_len: jax.Array,
     *,
     block_kv: int = 512,
+    platform: str = "tpu",
     interpret: bool = False,
     index_probe=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -72,6 +74,7 @@ def prefix_tiles(
       prefix_k, prefix_v: [G, K, L, H] the prefixes, L a multiple of block_kv.
       prefix_len: [G] int32 valid prefix length per group.
       block_kv: prefix slots per tile (a multiple of 8; a power of two for GPU).
+      platform: "tpu" (Mosaic) or "gpu" (Triton: 4 warps, 2 stages).
       interpret: run in Pallas interpret mode (CPU).
       index_probe: test hook: called as index_probe(g, k, tile) from the prefix K index map, by
         `jax.debug.callback`, to count the tiles fetched (interpret mode).
@@ -79,6 +82,8 @@ def prefix_tiles(
     Returns:
       (max [G, K, n, X], denominator [G, K, n, X], numerator [G, K, n, X, H]) fp32, n = L // block_kv.
     """
+    if platform not in ("tpu", "gpu"):
+        raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
     g, kv, x, h = queries.shape
     slots = prefix_k.shape[2]
     if slots % block_kv or x % 8:
@@ -113,6 +118,7 @@ def prefix_tiles(
             jax.ShapeDtypeStruct((g, kv, tiles, x, _LANES), jnp.float32),
             jax.ShapeDtypeStruct((g, kv, tiles, x, h), jnp.float32),
         ],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2) if platform == "gpu" else None,
         interpret=interpret,
         name="shared_prefix_tiles",
     )(lengths, queries, prefix_k, prefix_v)

@@ -121,7 +121,7 @@ def test_prefix_kernel_equals_per_row_attention(case):
     got = shared_prefix_attention(
         args["q"], args["prefix_k"], args["prefix_v"], args["prefix_len"], layout, args["k_cache"],
         args["v_cache"], args["cache_len"], args["k_new"], args["v_new"], args["new_mask"],
-        sm_scale=0.3, causal=True, prefix_kernel=True, interpret=True,
+        sm_scale=0.3, causal=True, prefix_kernel="gpu", interpret=True,
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), run_reference(inputs, np.asarray(layout.row_group)), **TOL)
 
@@ -164,13 +164,13 @@ def lowering_args(dtype):
     )
 
 
-def _with_kernel(*args):
-    return shared_prefix_attention(*args, sm_scale=0.1, causal=True, prefix_kernel=True)
+def _with_kernel(platform):
+    return lambda *args: shared_prefix_attention(*args, sm_scale=0.1, causal=True, prefix_kernel=platform)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_prefix_kernel_lowers_for_tpu(dtype):
-    exported = jax.export.export(jax.jit(_with_kernel), platforms=["tpu"])(*lowering_args(dtype))
+    exported = jax.export.export(jax.jit(_with_kernel("tpu")), platforms=["tpu"])(*lowering_args(dtype))
     text = exported.mlir_module()
     assert "tpu_custom_call" in text and "shared_prefix_tiles" in text
 
@@ -180,7 +180,7 @@ def test_prefix_kernel_lowers_for_cuda(dtype):
     """Lowered to Triton IR; the export's check of custom-call stability is disabled for Triton's call
     (see test_tree_attention.test_gpu_kernel_lowers)."""
     allow = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
-    exported = jax.export.export(jax.jit(_with_kernel), platforms=["cuda"], disabled_checks=allow)(
+    exported = jax.export.export(jax.jit(_with_kernel("gpu")), platforms=["cuda"], disabled_checks=allow)(
         *lowering_args(dtype)
     )
     text = exported.mlir_module()
