@@ -99,3 +99,11 @@ def test_bad_shared_prefix_setting(target):
         dflax.generate(target, ["hi"], shared_prefix="yes")
     with pytest.raises(ValueError, match="refill_every=None"):
         dflax.generate(target, ["hi"], shared_prefix="auto", refill_every=4)
+
+
+def test_prefix_kernel_in_generation(tiny_checkpoint, target):
+    """With the Pallas backend (interpret mode) the prefix level runs as the kernel: same tokens."""
+    kernel_target = dflax.load_target(str(tiny_checkpoint("qwen3")[0]), attention_backend="pallas_interpret")
+    want = run(target, "none", max_new=8)
+    got = run(kernel_target, "auto", max_new=8)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
