@@ -152,7 +152,7 @@ for r in first:
   one dflax trained and exported (`train_drafter.ipynb`). The shipped drafter is such a directory.
 
 Downloads are skipped in smoke mode (CI runs offline). On a TPU or GPU runtime the last cell also
-downloads Qwen3-4B and its official drafter `z-lab/Qwen3-4B-DFlash-b16`; change `OFFICIAL` for another pair."""
+downloads Qwen3-4B and its official drafter `z-lab/Qwen3-4B-DFlash-b16`; `OFFICIAL` names another pair."""
         ),
         new_code_cell(
             """\

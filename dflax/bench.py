@@ -22,8 +22,9 @@ import numpy as np
 from dflax import projection
 from dflax.cost_curve import COST_CURVE_SIZES, measure_cost_curve
 from dflax.decoding.sampling import SamplingParams
-from dflax.generation import encode_prompt, fit_to_context, generate_ids
-from dflax.prompts import load_prompts
+from dflax.decoding.shared_prefix import share_groups
+from dflax.generation import can_share_prefix, encode_prompt, fit_to_context, generate_ids
+from dflax.prompts import load_prompts, with_system_prompt
 from dflax.roofline import measure_roofline, step_floor_s
 from dflax.target import Target, load_target
 
@@ -35,8 +36,27 @@ def _batches(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+def _prefix_kv_bytes(target: Target, prompt_ids, shared_prefix: str) -> int:
+    """Bytes of target KV cache that the batch's common prompt prefixes (`share_groups`) take: stored
+    once per group with shared_prefix="auto", once per row with "none" (layers x 2 x K x H x itemsize
+    per token)."""
+    config = target.config
+    itemsize = np.dtype(target.cache_dtype).itemsize
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
+    once = shared_prefix == "auto" and can_share_prefix(target)
+    return per_token * sum((1 if once else len(g.rows)) * g.length for g in share_groups(prompt_ids))
+
+
 def _run_dflax(
-    target: Target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, drafter=None
+    target: Target,
+    prompt_ids,
+    max_new_tokens,
+    temperature,
+    batch_size,
+    seed,
+    progress,
+    drafter=None,
+    shared_prefix="none",
 ):
     sampling = SamplingParams.make(temperature)
     batches = _batches(list(range(len(prompt_ids))), batch_size)
@@ -51,6 +71,7 @@ def _run_dflax(
             batch_size=batch_size,
             drafter=drafter,
             warmup=warmup,
+            shared_prefix=shared_prefix,
         )
 
     for idx in batches:  # compile every shape first
@@ -71,6 +92,8 @@ def _run_dflax(
                 "loop_steps": max(r.stats["steps"] for r in results),  # decode-loop iterations
                 "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
                 "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
+                "kv_cache_bytes": results[0].stats["kv_cache_bytes"],
+                "prefix_kv_bytes": _prefix_kv_bytes(target, [prompt_ids[i] for i in idx], shared_prefix),
             }
         )
         progress(len(idx))
@@ -128,14 +151,23 @@ def _run_continuous(
 
 
 def _run_auto(
-    target: Target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, drafter, context
+    target: Target,
+    prompt_ids,
+    max_new_tokens,
+    temperature,
+    batch_size,
+    seed,
+    progress,
+    drafter,
+    context,
+    shared_prefix="none",
 ):
     """DFlash at the block size the cost model picks for this batch size, or plain decoding when none pays."""
     from dflax.cost_curve import auto_block_size
 
     chosen, choice = auto_block_size(target, drafter, min(batch_size, len(prompt_ids)), context)
     tokens, per_batch = _run_dflax(
-        target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, drafter=chosen
+        target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, chosen, shared_prefix
     )
     for b in per_batch:
         b["block_size"] = choice.block_size
@@ -221,6 +253,11 @@ def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> d
         if "accept_hist" in per_batch[0]
         else None,
         **{k: per_batch[0][k] for k in ("block_size", "auto_predicted", "refills") if k in per_batch[0]},
+        **{
+            k: sum(b[k] for b in per_batch)  # summed over batches
+            for k in ("kv_cache_bytes", "prefix_kv_bytes")
+            if k in per_batch[0]
+        },
     }
 
 
@@ -274,7 +311,10 @@ def _with_refills(runners: dict, settings: dict, refill_every: list[int], mesh: 
                     f"--refill-every applies to dflax's methods at fixed block sizes, not {name!r}: "
                     "give --block-size N for dflash, or leave out hf"
                 )
-            drafter = runner.keywords["drafter"] if isinstance(runner, functools.partial) else None
+            keywords = runner.keywords if isinstance(runner, functools.partial) else {}
+            if keywords.get("shared_prefix", "none") != "none":
+                raise ValueError("--refill-every and --shared-prefix auto do not combine yet; run them apart")
+            drafter = keywords.get("drafter")
             out[f"{name}-refill{k}"] = functools.partial(_run_continuous, drafter=drafter, refill_every=k)
             settings[f"{name}-refill{k}"] = {**settings[name], "refill_every": k}
     return out
@@ -299,6 +339,8 @@ def run_bench(
     console=None,
     mesh: str | None = None,
     refill_every: list[int] | None = None,
+    shared_prefix: list[str] | None = None,
+    system_prompt: str | None = None,
 ) -> dict[str, Any]:
     """Benchmarks methods back to back on the same prompts and target.
 
@@ -330,6 +372,9 @@ def run_bench(
       refill_every: run dflax's methods once per value: 0 in static batches (the default), k > 0 with
         continuous batching, finished rows refilled every k decode steps (reported as e.g. "ar-refill16";
         its speedup and lossless_match compare with the static "ar").
+      shared_prefix: modes to run dflax's methods in ("none", "auto"; default ["none"]); with "auto" a
+        method runs with shared prefixes too, reported as "{method}-shared" (compared with ar as usual).
+      system_prompt: a system message put in front of every prompt (each becomes a chat).
 
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
@@ -338,7 +383,12 @@ def run_bench(
       block_size and tree_budget (None for ar and hf), step_s and step_vs_floor (one decode-loop
       iteration against this machine's floor for that many rows, see dflax.roofline), and, when "ar"
       ran too, ar_tokens_per_s, speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
+      dflax's results add kv_cache_bytes (the allocated target KV cache, measured from the arrays) and
+      prefix_kv_bytes (the common prompt prefixes' part of it), summed over batches.
     """
+    shared_prefix = shared_prefix or ["none"]
+    if any(m not in ("none", "auto") for m in shared_prefix):
+        raise ValueError(f"shared_prefix modes are none and auto, got {shared_prefix}")
     from rich.progress import Progress
 
     if tree_budgets and not {"dflash", "dart", "lookup"} & set(methods):
@@ -347,6 +397,8 @@ def run_bench(
     if bad:
         raise ValueError(f"{prompts}: malformed lines: " + "; ".join(map(str, bad)))
     records = records[:limit]
+    if system_prompt is not None:
+        records = with_system_prompt(records, system_prompt)
     loaded = load_target(target, mesh=mesh)
     context = loaded.config.max_position_embeddings
     prompt_ids = [
@@ -406,6 +458,14 @@ def run_bench(
                     _run_dflax, drafter=method_drafter.with_block_size(b).with_tree_budget(n)
                 )
                 settings[name] = {"block_size": b, "tree_budget": n}
+    if "auto" in shared_prefix:  # each dflax method also (or only) with shared prefixes
+        for name, runner in list(runners.items()):
+            if name == "hf":
+                continue
+            runners[f"{name}-shared"] = functools.partial(runner, shared_prefix="auto")
+            settings[f"{name}-shared"] = settings[name]
+            if "none" not in shared_prefix:
+                del runners[name]
     runners = _with_refills(runners, settings, refill_every or [0], mesh)
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     roofline = measure_roofline(loaded.params)

@@ -192,6 +192,21 @@ def _load(target: str, dtype: str | None, mesh: str | None = None):
     return loaded
 
 
+_SHARED_PREFIX_HELP = (
+    "auto: a token prefix common to consecutive prompts of a batch (a system message, one prompt's "
+    "samples) is prefilled and stored once per group of rows, and runs static batches; none: every row "
+    "holds its whole prompt. Outputs are the same"
+)
+_SYSTEM_PROMPT_HELP = "text file: a system message put in front of every prompt (prompts become chats)"
+
+
+def _read_system_prompt(path: Path) -> str:
+    """The text of a --system-prompt file."""
+    if not path.is_file():
+        _fail(f"--system-prompt {path}: no such file")
+    return path.read_text(encoding="utf-8")
+
+
 @app.command()
 def generate(
     prompts: list[str] = typer.Argument(None, help="prompts (raw completion unless --chat)"),
@@ -249,21 +264,36 @@ def generate(
     ),
     num_processes: int = typer.Option(1, help="multi-host: processes in the run (with --coordinator)"),
     process_id: int = typer.Option(0, help="multi-host: this process's id, 0 .. P-1 (with --coordinator)"),
+    shared_prefix: str = typer.Option("none", help=_SHARED_PREFIX_HELP),
+    num_samples: int = typer.Option(
+        1,
+        help="N samples per prompt (needs --temperature > 0), decoded side by side under the prompt as a "
+        "shared prefix with --shared-prefix auto; results carry ids [id, k], each seeded by its own id",
+    ),
+    system_prompt: Path = typer.Option(None, help=_SYSTEM_PROMPT_HELP),
 ) -> None:
     """Generate completions for prompts given as arguments or in a JSONL file."""
     from dflax.generation import generate as run_generate
     from dflax.prompts import (
         PromptRecord,
         completed_ids,
+        expand_samples,
         read_prompt_file,
         result_key,
         result_line,
         row_seed,
         select_shard,
         shard_of,
+        with_system_prompt,
     )
 
     _check_method(method)
+    if shared_prefix not in ("auto", "none"):
+        _fail(f"--shared-prefix must be auto or none, got {shared_prefix!r}")
+    if num_samples < 1:
+        _fail(f"--num-samples must be a positive integer, got {num_samples}")
+    if num_samples > 1 and temperature <= 0:
+        _fail("--num-samples N > 1 draws different samples: give --temperature > 0 (greedy repeats one)")
     if max_new_tokens < 1:
         _fail(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
     if batch_size < 1:
@@ -304,6 +334,9 @@ def generate(
         records = [
             PromptRecord(i, [{"role": "user", "content": p}] if chat else p) for i, p in enumerate(prompts)
         ]
+    if system_prompt:
+        records = with_system_prompt(records, _read_system_prompt(system_prompt))
+    records = expand_samples(records, num_samples)
     done = completed_ids(out) if out else set()
     if coordinator is not None:  # ids done by any process: every process then builds the same batches
         from dflax.sharding.multihost import any_process
@@ -372,7 +405,9 @@ def generate(
                 row_seeds=[row_seed(seed, r.id) for r in todo],
                 on_result=on_result,
                 drafter=spec_drafter,
-                refill_every=None if mesh else refill_every or None,  # static batches on a mesh
+                # static batches on a mesh and with shared prefixes
+                refill_every=None if mesh or shared_prefix == "auto" else refill_every or None,
+                shared_prefix=shared_prefix,
             )
     except ValueError as e:
         _fail(str(e))
@@ -430,6 +465,12 @@ def bench(
         help="0 = static batches; k > 0 = continuous batching, finished rows refilled every k decode "
         "steps; several (0,16) run each method once per value",
     ),
+    shared_prefix: str = typer.Option(
+        "none",
+        help="none, auto, or both (none,auto: each dflax method once without and once with shared "
+        "prefixes, the latter reported as METHOD-shared with prefix KV bytes). " + _SHARED_PREFIX_HELP,
+    ),
+    system_prompt: Path = typer.Option(None, help=_SYSTEM_PROMPT_HELP),
 ) -> None:
     """Measure decode tokens/s of methods on one prompt set, back to back in one run."""
     from dflax.bench import BENCH_METHODS, run_bench
@@ -449,6 +490,10 @@ def bench(
             "--plot draws speculative results and the cost curve: add --method ...,dflash (or lookup) or "
             "--cost-curve"
         )
+    shared_modes = [m.strip() for m in shared_prefix.split(",") if m.strip()]
+    if not shared_modes or any(m not in ("auto", "none") for m in shared_modes):
+        _fail(f"--shared-prefix {shared_prefix!r}: give none, auto or none,auto")
+    system = _read_system_prompt(system_prompt) if system_prompt else None
     block_sizes = [_block_size_value(b.strip()) for b in block_size.split(",")] if block_size else None
     try:
         refills = [int(k) for k in refill_every.split(",")]
@@ -480,6 +525,8 @@ def bench(
             console=console,
             mesh=mesh,
             refill_every=refills,
+            shared_prefix=shared_modes,
+            system_prompt=system,
         )
     except (ValueError, ImportError, FileNotFoundError) as e:
         _fail(str(e))

@@ -20,6 +20,7 @@ import numpy as np
 from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import Proposer, decode_loop, prefill
 from dflax.decoding.sampling import SamplingParams
+from dflax.decoding.shared_prefix import PrefixGroup, prefill_shared, share_groups
 from dflax.sharding import ShardingRules
 from dflax.sharding.multihost import to_host
 from dflax.sharding.placement import (
@@ -30,12 +31,14 @@ from dflax.sharding.placement import (
     sharded_generation,
 )
 from dflax.target import Target
+from pallas_kernels.shared_prefix import GroupLayout
 
 if TYPE_CHECKING:
     from dflax.drafters import DartDrafterBound, Drafter, LookupDrafter
 
 Prompt = str | list[dict[str, str]]
 _MIN_PROMPT_BUCKET = 16
+SHARED_PREFIX_MODES = ("auto", "none")
 
 
 class PromptTooLongError(ValueError):
@@ -151,6 +154,26 @@ def compiled_programs(target: Target, proposer: Proposer | None) -> tuple[Callab
     return per_target[proposer]
 
 
+_COMPILED_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_shared_prefill(target: Target, proposer: Proposer | None) -> Callable:
+    """Jitted `prefill_shared` of a target and drafter (its decode loop is `compiled_programs`')."""
+    per_target = _COMPILED_SHARED.setdefault(target, {})
+    if proposer not in per_target:
+        per_target[proposer] = jax.jit(
+            functools.partial(prefill_shared, target.module, proposer=proposer),
+            static_argnames=("max_tokens",),
+            donate_argnames=("cache",),
+        )
+    return per_target[proposer]
+
+
+def can_share_prefix(target: Target) -> bool:
+    """Shared prefixes need a single device and global attention in every layer."""
+    return target.mesh is None and target.config.sliding_window is None
+
+
 def _rules(target: Target) -> ShardingRules:
     """The sharding rules of a target loaded on a mesh."""
     return ShardingRules.for_model(target.config, target.mesh)
@@ -166,6 +189,7 @@ def generate_ids(
     batch_size: int,
     drafter: Drafter | DartDrafterBound | LookupDrafter | None = None,
     warmup: bool = False,
+    shared_prefix: str = "none",
 ) -> list[GenerationResult]:
     """Generates for one batch of already-encoded prompts (at most batch_size of them).
 
@@ -178,15 +202,26 @@ def generate_ids(
       batch_size: static batch size of the compiled step (rows beyond the prompts are padding).
       drafter: a speculative drafter, DFlash or prompt lookup (None = plain autoregressive decoding).
       warmup: only compile this batch's shapes (every row stops after its first token).
+      shared_prefix: "auto" prefills and stores a common token prefix of consecutive prompts once per
+        group of rows (`dflax.decoding.shared_prefix`; where no two prompts share enough, or the target
+        cannot, nothing changes); "none" gives every row its whole prompt.
 
     Returns:
-      One result per prompt, in order.
+      One result per prompt, in order; stats add shared_prefix_tokens (the row's prompt tokens read from
+      a shared prefix) and kv_cache_bytes (the batch's allocated target KV cache, shared prefixes included).
     """
     n = len(prompt_ids)
     bucket_b = min(batch_size, _next_pow2(n))
     if target.mesh is not None:  # rows split evenly over the mesh's `data` axis
         bucket_b = padded_batch(bucket_b, _rules(target))
-    bucket_p = prompt_bucket(max(len(ids) for ids in prompt_ids))
+    if shared_prefix not in SHARED_PREFIX_MODES:
+        raise ValueError(f"shared_prefix must be one of {SHARED_PREFIX_MODES}, got {shared_prefix!r}")
+    groups = share_groups(prompt_ids) if shared_prefix == "auto" and can_share_prefix(target) else []
+    offsets = np.zeros((bucket_b,), np.int32)  # each row's shared prefix length
+    for group in groups:
+        offsets[group.rows] = group.length
+    own_ids = [ids[offsets[r] :] for r, ids in enumerate(prompt_ids)]
+    bucket_p = prompt_bucket(max(len(ids) for ids in own_ids))
     proposer = drafter.proposer if drafter else None
     drafter_params = drafter.params if drafter else None
     slots = cache_slots(bucket_p, max_new_tokens, proposer)
@@ -195,7 +230,7 @@ def generate_ids(
     lens = np.ones((bucket_b,), np.int32)
     budgets = np.zeros((bucket_b,), np.int32)
     seeds = np.zeros((bucket_b,), np.uint32)
-    for r, ids in enumerate(prompt_ids):
+    for r, ids in enumerate(own_ids):
         tokens[r, : len(ids)] = ids
         lens[r], budgets[r], seeds[r] = len(ids), 1 if warmup else max_new_tokens, row_seeds[r]
     packed = packed_bucket(int(lens.sum()), bucket_b, bucket_p)
@@ -212,19 +247,35 @@ def generate_ids(
 
     prefill_fn, decode_fn = compiled_programs(target, proposer)
     t0 = time.perf_counter()
-    state = prefill_fn(
-        target.params,
-        prompt_tokens,
-        prompt_lens,
-        cache,
-        budgets_in,
-        row_keys,
-        eos,
-        sampling,
-        drafter_params,
-        max_tokens=max_new_tokens,
-        packed_tokens=packed,
-    )
+    if groups:
+        shared_inputs = _shared_prefix_inputs(prompt_ids, groups, bucket_b, offsets)
+        state = compiled_shared_prefill(target, proposer)(
+            target.params,
+            *shared_inputs,
+            prompt_tokens,
+            prompt_lens,
+            cache,
+            budgets_in,
+            row_keys,
+            eos,
+            sampling,
+            drafter_params,
+            max_tokens=max_new_tokens,
+        )
+    else:
+        state = prefill_fn(
+            target.params,
+            prompt_tokens,
+            prompt_lens,
+            cache,
+            budgets_in,
+            row_keys,
+            eos,
+            sampling,
+            drafter_params,
+            max_tokens=max_new_tokens,
+            packed_tokens=packed,
+        )
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     state = decode_fn(target.params, state, sampling, drafter_params)
@@ -234,19 +285,41 @@ def generate_ids(
     # On a mesh spanning several processes each holds some rows' shards; every process gets all rows.
     rows = (state.tokens, state.num_generated, state.steps, state.accept_hist)
     out_tokens, num, steps, hist = map(to_host, rows)
-    return [
-        result_of_row(
+    kv_bytes = sum(x.nbytes for x in jax.tree.leaves((state.cache.k, state.cache.v)))
+    if state.cache.shared is not None:
+        kv_bytes += sum(x.nbytes for x in jax.tree.leaves((state.cache.shared.k, state.cache.shared.v)))
+    results = []
+    for r in range(n):
+        result = result_of_row(
             target,
             out_tokens[r, : num[r]].tolist(),
-            int(lens[r]),
+            len(prompt_ids[r]),
             int(steps[r]),
             hist[r],
             t1 - t0,
             t2 - t1,
             n,
         )
-        for r in range(n)
-    ]
+        result.stats.update(shared_prefix_tokens=int(offsets[r]), kv_cache_bytes=kv_bytes)
+        results.append(result)
+    return results
+
+
+def _shared_prefix_inputs(
+    prompt_ids: Sequence[list[int]], groups: list[PrefixGroup], batch: int, offsets: np.ndarray
+) -> tuple:
+    """The static-shape prefix arrays of `prefill_shared`: (prefix tokens [G, L], prefix lengths [G],
+    layout, row offsets [B]), G, L and the rows per group rounded up to powers of two (few compiles)."""
+    num_groups = _next_pow2(len(groups))
+    length = prompt_bucket(max(1, max(group.length for group in groups)))
+    prefix_tokens = np.zeros((num_groups, length), np.int32)
+    prefix_lens = np.zeros((num_groups,), np.int32)
+    for g, group in enumerate(groups):
+        prefix_tokens[g, : group.length] = prompt_ids[group.rows[0]][: group.length]
+        prefix_lens[g] = group.length
+    rows = min(batch, _next_pow2(max(len(group.rows) for group in groups)))
+    layout = GroupLayout.of_groups([group.rows for group in groups], batch, num_groups, rows)
+    return jnp.asarray(prefix_tokens), jnp.asarray(prefix_lens), layout, jnp.asarray(offsets)
 
 
 def result_of_row(
@@ -300,6 +373,7 @@ def generate(
     drafter: Drafter | DartDrafterBound | LookupDrafter | None = None,
     tree_budget: int | None = None,
     refill_every: int | None = None,
+    shared_prefix: str = "none",
 ) -> list[GenerationResult]:
     """Generates a completion for every prompt, plainly or speculatively (lossless either way).
 
@@ -323,6 +397,11 @@ def generate(
       refill_every: None runs static batches (each until its longest row ends); k > 0 batches
         continuously: every k decode steps finished rows are refilled with waiting prompts
         (`dflax.continuous_batching`; on_result is then called in finishing order). Outputs are the same.
+      shared_prefix: "auto" finds the longest common token prefix of consecutive prompts in a batch
+        (a system message, a prompt repeated for several samples) and prefills and stores it once per
+        group of rows; "none" stores every prompt per row. Outputs are the same either way. Static
+        batches on one device only (refill_every=None, no mesh); "auto" on a sliding-window model
+        shares nothing.
 
     Returns:
       One GenerationResult per prompt, in order.
@@ -341,6 +420,13 @@ def generate(
     if refill_every is not None and target.mesh is not None:
         raise ValueError(
             "continuous batching (refill_every) does not run on a mesh yet; use refill_every=None"
+        )
+    if shared_prefix not in SHARED_PREFIX_MODES:
+        raise ValueError(f"shared_prefix must be one of {SHARED_PREFIX_MODES}, got {shared_prefix!r}")
+    if shared_prefix == "auto" and (refill_every is not None or target.mesh is not None):
+        raise ValueError(
+            "shared_prefix='auto' runs static batches on one device; use refill_every=None and no mesh, "
+            "or shared_prefix='none'"
         )
     sampling = SamplingParams.make(temperature, top_k, top_p)
     if tree_budget is not None:
@@ -383,6 +469,7 @@ def generate(
             row_seeds=[seeds[i] for i in chunk],
             batch_size=batch_size,
             drafter=drafter,
+            shared_prefix=shared_prefix,
         )
         for i, result in zip(chunk, batch):
             if on_result is not None:

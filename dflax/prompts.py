@@ -124,6 +124,33 @@ def load_prompts(source: str) -> tuple[list[PromptRecord], list[BadLine]]:
     return read_prompt_file(path)
 
 
+def with_system_prompt(records: list[PromptRecord], system: str) -> list[PromptRecord]:
+    """The records as chat prompts opening with one system message (a raw prompt becomes the user turn;
+    a chat prompt's own system message is replaced)."""
+    if not system.strip():
+        raise ValueError("the system prompt is empty; give a file with the system message's text")
+    out = []
+    for r in records:
+        turns = [{"role": "user", "content": r.prompt}] if isinstance(r.prompt, str) else r.prompt
+        turns = [t for t in turns if t["role"] != "system"]
+        out.append(PromptRecord(r.id, [{"role": "system", "content": system}, *turns]))
+    return out
+
+
+def expand_samples(records: list[PromptRecord], num_samples: int) -> list[PromptRecord]:
+    """Each record num_samples times in a row, with ids [id, k] for k = 0 .. num_samples - 1 (each its own
+    results line and sampling seed); the records themselves when num_samples is 1.
+
+    Raises:
+      ValueError: for num_samples < 1.
+    """
+    if num_samples < 1:
+        raise ValueError(f"--num-samples must be a positive integer, got {num_samples}")
+    if num_samples == 1:
+        return records
+    return [PromptRecord([r.id, k], r.prompt) for r in records for k in range(num_samples)]
+
+
 def result_key(rid: Any) -> str:
     """The canonical form of an id (so 3 and "3" in a file are told apart consistently)."""
     return json.dumps(rid, sort_keys=True)

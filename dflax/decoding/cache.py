@@ -10,6 +10,30 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflax.models.config import ModelConfig
+from pallas_kernels.shared_prefix import GroupLayout
+
+
+@struct.dataclass
+class SharedPrefix:
+    """Prompt prefixes stored once per group of rows (see dflax.decoding.shared_prefix).
+
+    Attributes:
+      k: one [G, K, L, H] array per layer: each group's prefix keys, head-major (positions 0 .. L - 1).
+      v: one [G, K, L, H] array per layer.
+      lengths: [G] int32 valid prefix length per group (slots from there on are never read).
+      layout: which rows belong to which group.
+      row_offsets: [B] int32 each row's prefix length: its own cache slot j holds position row_offsets + j.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+    layout: GroupLayout
+    row_offsets: jax.Array
+
+    def layer(self, i: int) -> SharedPrefix:
+        """The prefix of layer i alone (k and v hold one array each)."""
+        return self.replace(k=(self.k[i],), v=(self.v[i],))
 
 
 @struct.dataclass
@@ -19,12 +43,14 @@ class KVCache:
     Attributes:
       k: one [B, S, K, H] array per layer.
       v: one [B, S, K, H] array per layer.
-      lengths: [B] int32, number of valid positions per row.
+      lengths: [B] int32, number of valid positions per row (the row's own slots).
+      shared: prefixes shared by groups of rows, in front of each row's own slots (None: no sharing).
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     lengths: jax.Array
+    shared: SharedPrefix | None = None
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
@@ -41,6 +67,11 @@ class KVCache:
     def max_len(self) -> int:
         """Slots per row S."""
         return self.k[0].shape[1]
+
+    @property
+    def positions(self) -> jax.Array:
+        """[B] int32 the absolute position of each row's next token (its shared prefix included)."""
+        return self.lengths if self.shared is None else self.shared.row_offsets + self.lengths
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:

@@ -162,19 +162,50 @@ def prefill(
     else:  # row r's last token is packed at sum(prompt_lens[:r + 1]) - 1
         last_hidden = hidden[0, jnp.cumsum(prompt_lens) - 1]  # [B, D]
         taps = tuple(packing.unpack(tap[0]) for tap in taps)  # [B, P, D] each
-    logits = model.apply(params, last_hidden, method=Transformer.logits)  # [B, V]
-    keys = _row_keys_at(row_keys, jnp.zeros((b,), jnp.int32))
-    first = sample(keys, logits, sampling)  # [B]
-    n = proposer.num_draft if proposer else 0
-    tokens = jnp.zeros((b, max_tokens + n + 1), jnp.int32).at[:, 0].set(first)
     drafter_state = None
     if proposer:
         drafter_state = proposer.init_state(b, cache.max_len, hidden.dtype)
         drafter_state = proposer.observe(
             drafter_params, drafter_state, prompt_tokens, taps, positions, prompt_lens
         )
+    cache = cache.replace(lengths=prompt_lens.astype(jnp.int32))
+    return first_state(
+        model, params, last_hidden, cache, max_new, row_keys, eos_ids, sampling, drafter_state,
+        max_tokens=max_tokens, proposer=proposer,
+    )  # fmt: skip
+
+
+def first_state(
+    model: Transformer,
+    params: dict,
+    last_hidden: jax.Array,
+    cache: KVCache,
+    max_new: jax.Array,
+    row_keys: jax.Array,
+    eos_ids: jax.Array,
+    sampling: SamplingParams,
+    drafter_state: Any,
+    *,
+    max_tokens: int,
+    proposer: Proposer | None,
+) -> DecodeState:
+    """The decode state after a prefill: samples each row's first token from its last prompt token.
+
+    Args:
+      model, params: the target.
+      last_hidden: [B, D] final hidden state of each row's last prompt token.
+      cache: the cache holding the prompts (lengths set).
+      max_new, row_keys, eos_ids, sampling, max_tokens, proposer: as in `prefill`.
+      drafter_state: the proposer's state after observing the prompts (None for plain decoding).
+    """
+    b = last_hidden.shape[0]
+    logits = model.apply(params, last_hidden, method=Transformer.logits)  # [B, V]
+    keys = _row_keys_at(row_keys, jnp.zeros((b,), jnp.int32))
+    first = sample(keys, logits, sampling)  # [B]
+    n = proposer.num_draft if proposer else 0
+    tokens = jnp.zeros((b, max_tokens + n + 1), jnp.int32).at[:, 0].set(first)
     return DecodeState(
-        cache=cache.replace(lengths=prompt_lens.astype(jnp.int32)),
+        cache=cache,
         last_token=first,
         tokens=tokens,
         num_generated=jnp.ones((b,), jnp.int32),
@@ -212,7 +243,7 @@ def _verify_chain(model, params, state, drafts, draft_log_probs, sampling, keys,
     """Verifies the chain [last token, drafts] [B, n + 1] with a causal mask (delta or ratio rule)."""
     b, n = drafts.shape
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, n + 1]
-    positions = state.cache.lengths[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
+    positions = state.cache.positions[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((n + 1, n + 1), jnp.bool_)), (b, n + 1, n + 1))
     hidden, cache, taps = model.apply(params, block, positions, state.cache, causal, taps_wanted)
     logits = model.apply(params, hidden, method=Transformer.logits)  # [B, n + 1, V]
@@ -233,11 +264,11 @@ def _verify_tree(model, params, state, tree, draft_log_probs, sampling, keys, ta
         )
     tokens, parents = with_root(tree, state.last_token)  # [B, N + 1]
     mask = ancestor_mask(parents)  # [B, N + 1, N + 1]
-    positions = state.cache.lengths[:, None] + depths(mask)  # [B, N + 1]
+    positions = state.cache.positions[:, None] + depths(mask)  # [B, N + 1]
     hidden, cache, taps = model.apply(params, tokens, positions, state.cache, mask, taps_wanted)
     logits = model.apply(params, hidden, method=Transformer.logits)  # [B, N + 1, V]
     acc, path = accept_tree(keys, tree, state.last_token, logits, sampling)
-    path_positions = state.cache.lengths[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)
+    path_positions = state.cache.positions[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)
     path_taps = tuple(gather_path(tap, path) for tap in taps)
     return Verified(compact_path(cache, path), acc, gather_path(tokens, path), path_taps, path_positions)
 

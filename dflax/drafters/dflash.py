@@ -345,7 +345,7 @@ class DFlashProposer:
         """Drafts n tokens per row from [last token, MASK x n] in one drafter forward (or, with a tree
         budget, the best-first tree over the n positions' distributions)."""
         hidden = self.draft_hidden(
-            params, target_params, state.last_token, state.cache.lengths, state.drafter_state
+            params, target_params, state.last_token, state.cache.positions, state.drafter_state
         )  # [B, n + 1, D]
         logits = self.draft_logits(target_params, hidden[:, 1:])  # [B, n, V']
         if self.tree_budget:

@@ -175,7 +175,7 @@ class PromptLookupProposer:
     def propose(self, params, target_params, state, keys) -> tuple[jax.Array | DraftTree, None]:
         """Drafts from the history plus the last committed token (at position cache length): [B, B - 1]
         as a chain, or a tree of N nodes."""
-        length = state.cache.lengths
+        length = state.cache.positions
         sequence = write_rows(state.drafter_state.tokens, state.last_token[:, None], length)  # [B, S]
         if self.tree_budget:
             return lookup_tree(sequence, length + 1, self.block_size - 1, self.tree_budget), None

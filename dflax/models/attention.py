@@ -16,12 +16,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflax.decoding.cache import write_rows
+from dflax.decoding.cache import SharedPrefix, write_rows
 from dflax.models.block_attention import anchored_block_attention
 from dflax.models.config import RopeScaling
 from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 from dflax.models.packing import Packing
 from dflax.sharding.attention import shard_attention
+from pallas_kernels.shared_prefix import shared_prefix_attention
 from pallas_kernels.tree_attention import resolve_backend, tree_attention
 from pallas_kernels.tree_attention.packed import packed_causal_attention
 
@@ -156,6 +157,27 @@ def attend(
     return run(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions)
 
 
+def _pallas_platform(backend: str) -> str | None:
+    """The Pallas platform ("tpu" or "gpu") a kernel backend resolves to, else None (the jnp path)."""
+    resolved = resolve_backend(backend)
+    return resolved if resolved in ("tpu", "gpu") else None
+
+
+def _attend_shared(cfg, shared, q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, causal):
+    """Shared prefix + own cache + new-token attention: [B, T, N, H] (see `Attention.__call__`)."""
+    if cfg.sliding_window is not None:
+        raise ValueError(
+            "a shared prefix is read by global-attention layers only; this layer has a sliding window "
+            "(use shared_prefix='none' for this model)"
+        )
+    backend, interpret = _kernel_backend(cfg.backend)
+    return shared_prefix_attention(
+        q, shared.k[0], shared.v[0], shared.lengths, shared.layout, k_cache, v_cache, cache_len, k_new, v_new,
+        new_mask, sm_scale=cfg.scale, causal=causal,
+        prefix_kernel="gpu" if interpret else _pallas_platform(backend), interpret=interpret,
+    )  # fmt: skip
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, optional q/k-norm and biases, reading a static KV cache.
 
@@ -246,6 +268,7 @@ class Attention(nn.Module):
         empty_cache: bool = False,
         causal: bool = False,
         packing: Packing | None = None,
+        shared: SharedPrefix | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attends x's tokens to the cache and to each other.
 
@@ -261,6 +284,10 @@ class Attention(nn.Module):
           packing: x holds the packed tokens of the padded [B, T] layout (see dflax.models.packing): the
             projections run on them; attention runs on the pack on the CPU path and on the padded layout
             in the kernels. Only for prompts: needs `empty_cache` and a causal new_mask.
+          shared: this layer's shared prefixes (`SharedPrefix.layer`): each row also attends to its group's
+            prefix, in front of its own cache, by the two-level attention of pallas_kernels.shared_prefix
+            (the prefix level by its Pallas kernel where the backend is Pallas, jnp elsewhere; each row's
+            own part in jnp; global-attention layers only).
 
         Returns:
           (out [B, T, D] (packed [1, L, D] with `packing`), k_cache, v_cache [B, S, K, H] with the new
@@ -287,6 +314,9 @@ class Attention(nn.Module):
         if packed_out is not None:
             return self.o_proj(packed_out), k_cache, v_cache
         k_read, v_read = (k_cache[:, :0], v_cache[:, :0]) if empty_cache else (k_cache, v_cache)
-        out = attend(cfg, q, k_read, v_read, cache_len, k, v, new_mask, positions, causal)  # [B, T, N, H]
+        if shared is not None:
+            out = _attend_shared(cfg, shared, q, k_read, v_read, cache_len, k, v, new_mask, causal)
+        else:
+            out = attend(cfg, q, k_read, v_read, cache_len, k, v, new_mask, positions, causal)  # [B, T, N, H]
         out = out.reshape(b, t, -1) if packing is None else packing.pack(out.reshape(b, t, -1))[None]
         return self.o_proj(out), k_cache, v_cache

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflax.decoding.cache import KVCache
+from dflax.decoding.cache import KVCache, SharedPrefix
 from dflax.models.attention import Attention, AttentionConfig
 from dflax.models.config import ModelConfig
 from dflax.models.layers import GatedMLP, Linear, RMSNorm
@@ -95,6 +95,7 @@ class DecoderLayer(nn.Module):
         empty_cache: bool = False,
         causal: bool = False,
         packing: Packing | None = None,
+        shared: SharedPrefix | None = None,
     ):
         """x [B, T, D] or packed [1, L, D] -> (x, k_cache, v_cache [B, S, K, H]); see `Attention`."""
         h, k_cache, v_cache = self.self_attn(
@@ -108,6 +109,7 @@ class DecoderLayer(nn.Module):
             empty_cache=empty_cache,
             causal=causal,
             packing=packing,
+            shared=shared,
         )
         return self._residual(x, h), k_cache, v_cache
 
@@ -174,7 +176,9 @@ class Transformer(nn.Module):
           tokens: [B, T] int32 new tokens.
           positions: [B, T] int32 their absolute positions.
           cache: the KV cache; the new tokens' K/V are written at slots [lengths, lengths + T).
-            `lengths` is NOT advanced: committing is the caller's decision.
+            `lengths` is NOT advanced: committing is the caller's decision. With `cache.shared`, every
+            row also attends to its group's shared prefix (read once per group, see
+            pallas_kernels.shared_prefix).
           new_mask: [B, T, T] bool, which new tokens each new token sees; lower-triangular (a prompt, a
             chain, or a tree in topological order), which lets the CPU attention skip work.
           tap_layers: layer ids whose OUTPUT hidden states to return (HF hidden_states[l + 1]).
@@ -203,6 +207,7 @@ class Transformer(nn.Module):
                 empty_cache=empty_cache,
                 causal=True,
                 packing=packing,
+                shared=None if cache.shared is None else cache.shared.layer(i),
             )
             ks.append(k_cache)
             vs.append(v_cache)
