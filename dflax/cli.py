@@ -20,6 +20,16 @@ from rich.progress import (
 from dflax.checkpoints.registry import DEFAULT_TARGET
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+
+@app.callback()
+def _process_settings() -> None:
+    """Every command: freed large host buffers go back to the system (dflax.host_memory)."""
+    from dflax.host_memory import return_large_buffers
+
+    return_large_buffers()
+
+
 console = Console(stderr=True)
 
 _TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"

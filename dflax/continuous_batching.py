@@ -35,6 +35,7 @@ from dflax.generation import (
     prompt_bucket,
     result_of_row,
 )
+from dflax.host_memory import return_large_buffers
 from dflax.models.transformer import Transformer
 from dflax.target import Target
 
@@ -150,6 +151,7 @@ def generate_continuous(
       One result per prompt, in prompt order. Each result's `prefill_s` is its refill's prefill time and
       `decode_s` the wall time from then to its end (other rows' refills included).
     """
+    return_large_buffers()  # refills run many program shapes: keep their freed temporaries off the heap
     n = len(prompt_ids)
     rows = min(batch_size, 1 << max(0, (n - 1).bit_length()))  # as static batches: a power of two
     proposer = drafter.proposer if drafter else None
