@@ -47,6 +47,18 @@ def _prefix_kv_bytes(target: Target, prompt_ids, shared_prefix: str) -> int:
     return per_token * sum((1 if once else len(g.rows)) * g.length for g in share_groups(prompt_ids))
 
 
+def _tallies(results) -> dict[str, Any]:
+    """What a group of results (a batch, or a continuous run) adds up to: decoded tokens (after each first
+    one), verify steps, tokens committed and the accepted-length histogram."""
+    return {
+        "rows": len(results),
+        "decode_tokens": sum(len(r.tokens) - 1 for r in results),
+        "steps": sum(r.stats["steps"] for r in results),
+        "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
+        "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
+    }
+
+
 def _run_dflax(
     target: Target,
     prompt_ids,
@@ -83,15 +95,11 @@ def _run_dflax(
             tokens[i] = r.tokens
         per_batch.append(
             {
-                "rows": len(idx),
+                **_tallies(results),
                 "prompt_tokens": sum(len(prompt_ids[i]) for i in idx),
                 "prefill_s": results[0].stats["prefill_s"],
                 "decode_s": results[0].stats["decode_s"],
-                "decode_tokens": sum(len(r.tokens) - 1 for r in results),
-                "steps": sum(r.stats["steps"] for r in results),
                 "loop_steps": max(r.stats["steps"] for r in results),  # decode-loop iterations
-                "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
-                "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
                 "kv_cache_bytes": results[0].stats["kv_cache_bytes"],
                 "prefix_kv_bytes": _prefix_kv_bytes(target, [prompt_ids[i] for i in idx], shared_prefix),
             }
@@ -135,15 +143,11 @@ def _run_continuous(
     results = run(timing, on_result=lambda i, r: progress(1))
     per_batch = [
         {
-            "rows": len(results),
+            **_tallies(results),
             "prompt_tokens": sum(len(p) for p in prompt_ids),
             "prefill_s": timing["prefill_s"],
             "decode_s": timing["decode_s"],
-            "decode_tokens": sum(len(r.tokens) - 1 for r in results),
-            "steps": sum(r.stats["steps"] for r in results),
             "loop_steps": timing["loop_steps"],
-            "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
-            "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
             "refills": timing["refills"],
         }
     ]
