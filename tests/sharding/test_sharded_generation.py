@@ -8,35 +8,15 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8; the rest of the suite keeps 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from eight_devices import run_on_8_devices, split_dims
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]  # 3 rows: padded to D
 
 
 def run_sharded(spec: dict) -> dict:
-    """Runs the worker on 8 fake devices and returns its report."""
-    env = dict(os.environ)
-    env.update(
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE.parent), env.get("PYTHONPATH", "")]),
-    )
-    done = subprocess.run(
-        [sys.executable, str(HERE / "sharded_run.py"), json.dumps(spec)],
-        capture_output=True, text=True, env=env, timeout=1500,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["devices"] == 8, report["devices"]
-    return report
+    """Runs `sharded_run.py` on 8 fake devices and returns its report."""
+    return run_on_8_devices("sharded_run.py", spec, timeout=1500)
 
 
 def assert_same_tokens(report: dict) -> None:
@@ -45,12 +25,6 @@ def assert_same_tokens(report: dict) -> None:
         for run, tokens in got["tokens"].items():
             assert tokens == expected[run], f"{mesh} {run}: {tokens} != unsharded {expected[run]}"
             assert all(len(t) > 0 for t in tokens)
-
-
-def split_dims(shards: dict, name: str) -> list[int]:
-    """How many ways each dimension of a parameter is split in the compiled program."""
-    shard, full = shards[name]
-    return [f // s for s, f in zip(shard, full)]
 
 
 def test_tiny_qwen3_with_8_kv_heads_on_data_model_and_both(tiny_checkpoint):

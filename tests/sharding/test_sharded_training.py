@@ -9,40 +9,15 @@ started with XLA_FLAGS=--xla_force_host_platform_device_count=8.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
+from eight_devices import run_on_8_devices, split_dims
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 FIRST, SECOND = "data=8", "data=2,model=4"
 
 
 def run_worker(spec: dict) -> dict:
-    env = dict(os.environ)
-    env.update(
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE.parent), env.get("PYTHONPATH", "")]),
-    )
-    done = subprocess.run(
-        [sys.executable, str(HERE / "sharded_training_run.py"), json.dumps(spec)],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["devices"] == 8, report["devices"]
-    return report
-
-
-def split_dims(shards: dict, name: str) -> list[int]:
-    """How many ways each dimension is split in the compiled train step."""
-    shard, full = shards[name]
-    return [f // s for s, f in zip(shard, full)]
+    """Runs `sharded_training_run.py` on 8 fake devices and returns its report."""
+    return run_on_8_devices("sharded_training_run.py", spec, timeout=900)
 
 
 def assert_close_params(got: dict, expected: dict, label: str) -> None:
