@@ -164,18 +164,24 @@ def _run_auto(
     progress,
     drafter,
     context,
+    trees,
     shared_prefix="none",
 ):
-    """DFlash at the block size the cost model picks for this batch size, or plain decoding when none pays."""
+    """DFlash at the block size (or, with `trees`, the tree budget) the cost model picks for this batch
+    size, or plain decoding when nothing pays."""
     from dflax.cost_curve import auto_block_size
 
-    chosen, choice = auto_block_size(target, drafter, min(batch_size, len(prompt_ids)), context)
+    chosen, choice = auto_block_size(target, drafter, min(batch_size, len(prompt_ids)), context, trees)
     tokens, per_batch = _run_dflax(
         target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, chosen, shared_prefix
     )
     for b in per_batch:
         b["block_size"] = choice.block_size
+        b["tree_budget"] = choice.tree_budget
         b["auto_predicted"] = {k: {"tau": t, "speedup": x} for k, (t, x) in choice.predicted.items()}
+        b["auto_predicted_trees"] = {
+            n: {"tau": t, "speedup": x} for n, (t, x) in choice.predicted_trees.items()
+        }
     return tokens, per_batch
 
 
@@ -256,7 +262,11 @@ def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> d
         "accept_hist": np.sum([b["accept_hist"] for b in per_batch], axis=0).tolist()
         if "accept_hist" in per_batch[0]
         else None,
-        **{k: per_batch[0][k] for k in ("block_size", "auto_predicted", "refills") if k in per_batch[0]},
+        **{
+            k: per_batch[0][k]
+            for k in ("block_size", "tree_budget", "auto_predicted", "auto_predicted_trees", "refills")
+            if k in per_batch[0]
+        },
         **{
             k: sum(b[k] for b in per_batch)  # summed over batches
             for k in ("kv_cache_bytes", "prefix_kv_bytes")
@@ -455,8 +465,10 @@ def run_bench(
                 name = method + (f"-{b}" if b == AUTO else f"-b{b}" if len(method_sizes) > 1 else "")
                 name += f"-t{n}" if len(budgets) > 1 else ""
                 if b == AUTO:  # the block size is chosen per batch size; the run reports it
-                    runners[name] = functools.partial(_run_auto, drafter=spec, context=context)
-                    settings[name] = {"tree_budget": 0}
+                    runners[name] = functools.partial(
+                        _run_auto, drafter=spec, context=context, trees=tree_budgets is None
+                    )
+                    settings[name] = {}  # the run reports the chosen block size and tree budget
                     continue
                 runners[name] = functools.partial(
                     _run_dflax, drafter=method_drafter.with_block_size(b).with_tree_budget(n)

@@ -145,8 +145,9 @@ def _block_size_value(text: str) -> int | str:
     return value
 
 
-def _auto_block_size(loaded, spec_drafter, records, batch_size: int, max_new_tokens: int):
-    """The drafter at the cost model's block size for this run, or None (plain decoding); says which."""
+def _auto_block_size(loaded, spec_drafter, records, batch_size: int, max_new_tokens: int, trees: bool):
+    """The drafter at the cost model's block size (or tree budget, with `trees`) for this run, or None
+    (plain decoding); says which."""
     from dflax.cost_curve import auto_block_size
     from dflax.generation import encode_prompt
 
@@ -155,7 +156,7 @@ def _auto_block_size(loaded, spec_drafter, records, batch_size: int, max_new_tok
     try:
         with console.status("block size auto: timing draft and verify forwards (once per machine) ..."):
             chosen, choice = auto_block_size(
-                loaded, spec_drafter, min(batch_size, max(len(records), 1)), context
+                loaded, spec_drafter, min(batch_size, max(len(records), 1)), context, trees
             )
     except ValueError as e:
         _fail(str(e))
@@ -234,9 +235,10 @@ def generate(
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
     block_size: str = typer.Option(
         None,
-        help="block size B (anchor + B-1 drafts) or auto (DFlash: the cost model's pick, plain decoding when "
-        "no B pays); default: auto for a DFlash drafter with measured acceptance (the shipped one) decoding "
-        "chains, else the drafter's trained B (lookup: 8)",
+        help="block size B (anchor + B-1 drafts) or auto (DFlash: the cost model's pick of a chain, or of a "
+        "tree when the drafter recorded rank acceptance and --tree-budget is not given; plain decoding when "
+        "nothing pays); default: auto for a DFlash drafter with measured acceptance (the shipped one), else "
+        "the drafter's trained B (lookup: 8)",
     ),
     tree_budget: int = typer.Option(
         None,
@@ -368,7 +370,8 @@ def generate(
     if chains and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
         if coordinator is not None:  # each process would time its own forwards and might choose another B
             _fail("--block-size auto times this machine's forwards; give every process --block-size B")
-        spec_drafter = _auto_block_size(loaded, spec_drafter, todo, batch_size, max_new_tokens)
+        trees = tree_budget is None  # --tree-budget 0 asks for chains
+        spec_drafter = _auto_block_size(loaded, spec_drafter, todo, batch_size, max_new_tokens, trees)
     sink = None
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)

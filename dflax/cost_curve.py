@@ -30,6 +30,7 @@ from dflax.target import Target
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32)
 AUTO_BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16)
+AUTO_TREE_BUDGETS = (4, 8, 16, 32, 64)
 _SLOT_MARGIN = 64
 
 
@@ -148,11 +149,18 @@ def _machine() -> dict[str, Any]:
 
 
 def step_costs(
-    target: Target, drafter, rows: int, context: int, candidates: Sequence[int], reps: int = 7
+    target: Target,
+    drafter,
+    rows: int,
+    context: int,
+    candidates: Sequence[int],
+    reps: int = 7,
+    tree_budgets: Sequence[int] = (),
 ) -> dict[str, dict[int, float]]:
-    """{"verify_s": {n: s}, "draft_s": {B: s}} for block sizes `candidates` at `rows` rows and about
-    `context` tokens, measured once per machine, target, drafter architecture and shape, then read from
-    dflax's cache directory."""
+    """{"verify_s": {n: s}, "draft_s": {B: s}, "tree_draft_s": {N: s}} for block sizes `candidates` and
+    trees of `tree_budgets` nodes over the largest candidate block, at `rows` rows and about `context`
+    tokens, measured once per machine, target, drafter architecture and shape, then read from dflax's cache
+    directory."""
     context = 1 << max(5, (context - 1).bit_length())  # a power of two: one measurement per octave
     key = {
         "machine": _machine(),
@@ -162,6 +170,7 @@ def step_costs(
         "rows": rows,
         "context": context,
         "candidates": sorted(candidates),
+        "tree_budgets": sorted(tree_budgets),
         "reps": reps,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -169,12 +178,16 @@ def step_costs(
     if path.is_file():
         stored = json.loads(path.read_text(encoding="utf-8"))
         return {name: {int(k): v for k, v in curve.items()} for name, curve in stored["costs"].items()}
-    slots = context + max(candidates) + _SLOT_MARGIN
-    sizes = sorted({1, *candidates})
+    slots = context + max([*candidates, *(n + 1 for n in tree_budgets)]) + _SLOT_MARGIN
+    sizes = sorted({1, *candidates, *(n + 1 for n in tree_budgets)})
+    block = drafter.with_block_size(max(candidates))
     costs = {
         "verify_s": verify_times(target, sizes, rows, context, slots, reps),
         "draft_s": {
             b: draft_time(target, drafter.with_block_size(b), rows, context, slots, reps) for b in candidates
+        },
+        "tree_draft_s": {
+            n: draft_time(target, block.with_tree_budget(n), rows, context, slots, reps) for n in tree_budgets
         },
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,8 +197,11 @@ def step_costs(
     return costs
 
 
-def auto_block_size(target: Target, drafter, rows: int, context: int) -> tuple[Any, BlockSizeChoice]:
-    """The drafter at the block size the cost model predicts fastest, or None for plain decoding.
+def auto_block_size(
+    target: Target, drafter, rows: int, context: int, trees: bool = True
+) -> tuple[Any, BlockSizeChoice]:
+    """The drafter at the block size (or tree budget) the cost model predicts fastest, or None for plain
+    decoding.
 
     Args:
       target: the loaded target.
@@ -193,9 +209,11 @@ def auto_block_size(target: Target, drafter, rows: int, context: int) -> tuple[A
         (`drafter.accept`, from its TRAINING.json).
       rows: the batch size the run decodes at.
       context: a typical prompt length plus half the new tokens.
+      trees: weigh best-first trees too (when the drafter's rank acceptance was measured and it drafts
+        greedily); False keeps to chains.
 
     Returns:
-      (the drafter at the chosen block size or None, the choice with its predictions).
+      (the drafter at the chosen block size and tree budget, or None; the choice with its predictions).
 
     Raises:
       ValueError: when the drafter has no measured acceptance.
@@ -207,7 +225,17 @@ def auto_block_size(target: Target, drafter, rows: int, context: int) -> tuple[A
         )
     trained = drafter.config.block_size
     candidates = [b for b in AUTO_BLOCK_SIZES if b <= min(trained, len(drafter.accept) + 1)]
-    costs = step_costs(target, drafter, rows, context, candidates)
-    choice = choose_block_size(drafter.accept, costs["verify_s"], costs["draft_s"])
-    chosen = None if choice.block_size is None else drafter.with_block_size(choice.block_size)
-    return chosen, choice
+    greedy = drafter.proposer.draft_sampling.mode == "greedy"
+    budgets = AUTO_TREE_BUDGETS if trees and greedy and drafter.rank_accept else ()
+    costs = step_costs(target, drafter, rows, context, candidates, tree_budgets=budgets)
+    choice = choose_block_size(
+        drafter.accept,
+        costs["verify_s"],
+        costs["draft_s"],
+        rank_accept=drafter.rank_accept,
+        tree_draft_s=costs.get("tree_draft_s"),
+    )
+    if choice.block_size is None:
+        return None, choice
+    chosen = drafter.with_block_size(choice.block_size)
+    return (chosen.with_tree_budget(choice.tree_budget) if choice.tree_budget else chosen), choice

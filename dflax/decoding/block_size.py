@@ -12,7 +12,8 @@ t_verify(1). The predicted speedup of B over plain decoding is therefore
     speedup(B) = tau(B) * t_verify(1) / (t_draft(B) + t_verify(B)),
 
 and the chosen block size is the one with the best predicted speedup, or none (plain decoding) when no
-block size is predicted to beat plain decoding by the required margin.
+block size is predicted to beat plain decoding by the required margin. Given the drafter's rank acceptance,
+best-first trees of N nodes over the largest block compete with the chains (dflax.decoding.tree_budget).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from dflax.decoding.tree_budget import tree_tau_curve
 
 # A block size must be predicted at least this much faster than plain decoding to be chosen: the model
 # ignores the step's bookkeeping (acceptance, cache and drafter-context updates), which costs a few percent.
@@ -62,23 +65,29 @@ class BlockSizeChoice:
     """What the cost model chose.
 
     Attributes:
-      block_size: the chosen B, or None for plain decoding (no block size pays).
-      predicted: {B: (tau, predicted speedup over plain decoding)} for every candidate.
+      block_size: the chosen B, or None for plain decoding (nothing pays).
+      predicted: {B: (tau, predicted speedup over plain decoding)} for every candidate chain.
+      tree_budget: the chosen tree's node budget N over blocks of `block_size`, or 0 for a chain.
+      predicted_trees: {N: (tau, predicted speedup)} for every candidate tree (empty without rank stats).
     """
 
     block_size: int | None
     predicted: dict[int, tuple[float, float]]
+    tree_budget: int = 0
+    predicted_trees: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         """One line for a user: the choice and why."""
-        best = max(self.predicted, key=lambda b: self.predicted[b][1])
-        tau, speedup = self.predicted[best]
+        options = {f"B={b}": p for b, p in self.predicted.items()}
+        options.update({f"a tree of {n} nodes": p for n, p in self.predicted_trees.items()})
+        best = max(options, key=lambda name: options[name][1])
+        tau, speedup = options[best]
         if self.block_size is None:
             return (
-                f"block size auto: plain decoding (no block size pays; best predicted B={best}: "
+                f"block size auto: plain decoding (no block size or tree pays; best predicted {best}: "
                 f"tau {tau:.2f}, {speedup:.2f}x)"
             )
-        return f"block size auto: B={best} (predicted tau {tau:.2f}, {speedup:.2f}x over plain decoding)"
+        return f"block size auto: {best} (predicted tau {tau:.2f}, {speedup:.2f}x over plain decoding)"
 
 
 def choose_block_size(
@@ -86,15 +95,20 @@ def choose_block_size(
     verify_s: Mapping[int, float],
     draft_s: Mapping[int, float],
     min_speedup: float = MIN_PREDICTED_SPEEDUP,
+    rank_accept: Sequence[Sequence[float]] | None = None,
+    tree_draft_s: Mapping[int, float] | None = None,
 ) -> BlockSizeChoice:
-    """The block size with the best predicted speedup, or plain decoding when none reaches `min_speedup`.
+    """The chain or tree with the best predicted speedup, or plain decoding when none reaches `min_speedup`.
 
     Args:
       accept: the drafter's per-position conditional acceptance acc_1, acc_2, ...
       verify_s: seconds of one target forward over n tokens, for measured n (1 included); made
         non-decreasing in n before use.
-      draft_s: seconds of one drafter forward per candidate block size (the candidates).
+      draft_s: seconds of one drafter forward per candidate block size (the candidate chains).
       min_speedup: the predicted speedup a block size needs to be chosen over plain decoding.
+      rank_accept: [n, K] the drafter's rank acceptance (dflax.decoding.tree_budget), or None: no trees.
+      tree_draft_s: seconds of one drafter forward plus the tree build per candidate node budget N, the
+        trees drawn over blocks of the largest candidate chain (verify_s must reach N + 1).
     """
     # A forward over more tokens never costs less: a running maximum keeps one noisy timing from making a
     # larger verify look cheaper than a smaller one (or than the plain step).
@@ -109,5 +123,15 @@ def choose_block_size(
         predicted[b] = (tau, tau * plain / (draft_s[b] + interpolate(verify_s, b)))
     if not predicted:
         raise ValueError(f"no candidate block size fits the {len(accept)} measured acceptance positions")
+    trees = {}
+    if rank_accept is not None and tree_draft_s:
+        block = max(predicted)
+        taus = tree_tau_curve(np.asarray(rank_accept)[: block - 1], max(tree_draft_s))
+        for n in sorted(tree_draft_s):
+            trees[n] = (taus[n], taus[n] * plain / (tree_draft_s[n] + interpolate(verify_s, n + 1)))
     best = max(predicted, key=lambda b: predicted[b][1])
-    return BlockSizeChoice(best if predicted[best][1] >= min_speedup else None, predicted)
+    best_tree = max(trees, key=lambda n: trees[n][1], default=None)
+    if best_tree is not None and trees[best_tree][1] > predicted[best][1]:
+        chosen = (max(predicted), best_tree) if trees[best_tree][1] >= min_speedup else (None, 0)
+        return BlockSizeChoice(chosen[0], predicted, chosen[1], trees)
+    return BlockSizeChoice(best if predicted[best][1] >= min_speedup else None, predicted, 0, trees)

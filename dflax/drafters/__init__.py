@@ -39,6 +39,8 @@ class Drafter:
       proposer: the static proposer (block size and draft sampling included).
       accept: measured per-position conditional acceptance acc_1, acc_2, ... (validation at the end of
         its training, from TRAINING.json), or None when unknown; `--block-size auto` predicts from it.
+      rank_accept: measured rank acceptance [n][K] (dflax.decoding.tree_budget), or None when unknown;
+        `--block-size auto` weighs draft trees with it.
     """
 
     name: str
@@ -46,6 +48,7 @@ class Drafter:
     params: dict
     proposer: DFlashProposer
     accept: tuple[float, ...] | None = None
+    rank_accept: tuple[tuple[float, ...], ...] | None = None
 
     def with_block_size(self, block_size: int) -> Drafter:
         """The same drafter drafting blocks of another size (B - 1 drafts per step)."""
@@ -69,14 +72,25 @@ class Drafter:
         save_drafter(path, self.config, self.params, target_layers, dtype, self.proposer.draft_vocab)
 
 
+def _final_validation(path: Path) -> dict:
+    record = path / "TRAINING.json"
+    if not record.is_file():
+        return {}
+    return json.loads(record.read_text(encoding="utf-8")).get("final_validation", {})
+
+
 def measured_acceptance(path: Path) -> tuple[float, ...] | None:
     """The per-position acceptance that a drafter directory's TRAINING.json recorded at its final
     validation, or None when it records none."""
-    record = path / "TRAINING.json"
-    if not record.is_file():
-        return None
-    accept = json.loads(record.read_text(encoding="utf-8")).get("final_validation", {}).get("val_accept")
+    accept = _final_validation(path).get("val_accept")
     return tuple(float(a) for a in accept) if accept else None
+
+
+def measured_rank_acceptance(path: Path) -> tuple[tuple[float, ...], ...] | None:
+    """The rank acceptance [n][K] that a drafter directory's TRAINING.json recorded at its final
+    validation, or None when it records none."""
+    ranks = _final_validation(path).get("val_rank_accept")
+    return tuple(tuple(float(a) for a in row) for row in ranks) if ranks else None
 
 
 def load_drafter(
@@ -111,7 +125,7 @@ def load_drafter(
                 f"{', '.join(SHIPPED_DRAFTERS)}); give a drafter directory, e.g. one made by `dflax train`"
             )
         name_or_path = shipped
-    accept = None
+    accept = rank_accept = None
     if str(name_or_path) == UNTRAINED:
         config = DFlashConfig.for_target(target.config)
         params, draft_vocab = None, None
@@ -126,7 +140,7 @@ def load_drafter(
             dart = load_dart(path, target, seed=seed, accept=measured_acceptance(path))
             return dart if block_size is None else dart.with_block_size(block_size)
         config, params, draft_vocab = load_drafter_checkpoint(path, dtype)
-        accept = measured_acceptance(path)
+        accept, rank_accept = measured_acceptance(path), measured_rank_acceptance(path)
     config.check_target(target.config)
     module = DFlashDrafter(config, dtype, target.module.attention_backend)
     if params is None:
@@ -136,7 +150,7 @@ def load_drafter(
     proposer = DFlashProposer(
         module, target.module, block_size or config.block_size, draft_sampling, draft_vocab
     )
-    drafter = Drafter(str(name_or_path), config, params, proposer, accept)
+    drafter = Drafter(str(name_or_path), config, params, proposer, accept, rank_accept)
     return drafter.with_block_size(proposer.block_size)
 
 
@@ -150,6 +164,8 @@ __all__ = [
     "init_drafter_params",
     "load_dart",
     "load_drafter",
+    "measured_acceptance",
+    "measured_rank_acceptance",
     "prompt_lookup",
     "shipped_drafter_path",
 ]

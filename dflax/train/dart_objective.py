@@ -27,7 +27,7 @@ from dflax.drafters.dart import DartDrafter
 from dflax.drafters.draft_vocab import vocab_index
 from dflax.models.transformer import Transformer
 from dflax.train import objective
-from dflax.train.objective import BlockStats, block_stats
+from dflax.train.objective import BlockStats, block_stats, label_rank
 
 DEPTH_DECAY = 0.6  # the paper's per-depth loss decay
 
@@ -153,5 +153,5 @@ def dart_loss(
     labels = gather(tokens, at + 1)  # [N, M, d] target ids x_{a+1+t}
     if draft_vocab is not None:
         labels = jnp.take(jnp.asarray(vocab_index(draft_vocab, target.config.vocab_size)), labels)
-    correct = jnp.argmax(log_q, axis=-1) == labels
-    return loss, block_stats(correct.reshape(-1, d), valid.reshape(-1, d))
+    rank = label_rank(log_q, labels)  # [N, M, d]
+    return loss, block_stats(rank.reshape(-1, d), valid.reshape(-1, d))

@@ -217,7 +217,7 @@ def block_hidden(
 def token_scores(
     readout: Callable[[jax.Array], jax.Array], hidden: jax.Array, labels: jax.Array, chunk_rows: int
 ) -> tuple[jax.Array, jax.Array]:
-    """Cross-entropy and greedy correctness of the drafted positions, `chunk_rows` rows of logits at a time.
+    """Cross-entropy and rank of the drafted positions' labels, `chunk_rows` rows of logits at a time.
 
     Each chunk's [chunk_rows, n, V'] logits are recomputed in the backward pass instead of stored, so the
     LM head's memory is one chunk's, not R rows'.
@@ -229,7 +229,8 @@ def token_scores(
       chunk_rows: rows per LM-head chunk.
 
     Returns:
-      (ce [R, n] float32, meaningless where labels is -1; correct [R, n] bool: argmax == label).
+      (ce [R, n] float32, meaningless where labels is -1; rank [R, n] int32: the label's place among the
+      drafter's candidates, 0 = its argmax (see `label_rank`)).
     """
     rows, n = labels.shape
     chunks = -(-rows // chunk_rows)
@@ -243,10 +244,25 @@ def token_scores(
         logits = readout(h_c)  # [C, n, V'] float32
         picked = jnp.take_along_axis(logits, jnp.maximum(y_c, 0)[..., None], axis=-1)[..., 0]  # [C, n]
         ce = jax.nn.logsumexp(logits, axis=-1) - picked
-        return ce, jnp.argmax(logits, axis=-1) == y_c
+        return ce, label_rank(logits, y_c)
 
-    ce, correct = jax.lax.map(score, (h, y))  # [chunks, C, n] each
-    return ce.reshape(-1, n)[:rows], correct.reshape(-1, n)[:rows]
+    ce, rank = jax.lax.map(score, (h, y))  # [chunks, C, n] each
+    return ce.reshape(-1, n)[:rows], rank.reshape(-1, n)[:rows]
+
+
+def label_rank(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """[...] int32 place of each label among its logits [..., V]: 0 when it is the argmax (the first of
+    equal maxima, as `argmax` picks), r when the drafter ranks r candidates before it; a label of -1
+    (a token the drafter cannot draft) gets V."""
+    picked = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[..., None], axis=-1)  # [..., 1]
+    index = jnp.arange(logits.shape[-1])
+    before = (logits > picked) | ((logits == picked) & (index < jnp.maximum(labels, 0)[..., None]))
+    rank = jnp.sum(before, axis=-1, dtype=jnp.int32)
+    return jnp.where(labels >= 0, rank, logits.shape[-1])
+
+
+# Candidate places per drafted position that the stats count (enough for best-first trees of ~64 nodes).
+RANKS = 8
 
 
 @struct.dataclass
@@ -258,23 +274,40 @@ class BlockStats:
       valid: blocks where k lies inside the sequence.
       accepted: blocks whose drafts 1..k are all right (k valid): greedy verification accepts k drafts.
       reached: blocks whose drafts 1..k-1 are all right (k valid): verification reaches draft k.
+      ranked: blocks whose labels 1..k-1 all rank below RANKS (k valid): a tree holding the top RANKS
+        candidates of every position reaches position k.
+      rank_count: [n, RANKS] of the `ranked` blocks, those whose label k has rank r.
     """
 
     correct: jax.Array
     valid: jax.Array
     accepted: jax.Array
     reached: jax.Array
+    ranked: jax.Array
+    rank_count: jax.Array
 
     def __add__(self, other: BlockStats) -> BlockStats:
         return jax.tree.map(jnp.add, self, other)
 
 
-def block_stats(correct: jax.Array, valid: jax.Array) -> BlockStats:
-    """Counts from per-block correctness [R, n] and validity [R, n] (both bool)."""
+def block_stats(rank: jax.Array, valid: jax.Array) -> BlockStats:
+    """Counts from the labels' ranks [R, n] int32 (0 = the drafter's argmax, see `label_rank`) and the
+    blocks' validity [R, n] bool."""
+    correct = rank == 0
     prefix = jnp.cumprod(correct, axis=1).astype(jnp.bool_)  # [R, n] drafts 1..k all right
     before = jnp.concatenate([jnp.ones_like(prefix[:, :1]), prefix[:, :-1]], axis=1)  # drafts 1..k-1
+    in_top = jnp.cumprod(rank < RANKS, axis=1).astype(jnp.bool_)  # [R, n] labels 1..k all in the top
+    ranked = jnp.concatenate([jnp.ones_like(in_top[:, :1]), in_top[:, :-1]], axis=1) & valid  # [R, n]
+    one_hot = rank[..., None] == jnp.arange(RANKS)  # [R, n, RANKS]
     count = lambda x: jnp.sum(x & valid, axis=0, dtype=jnp.float32)
-    return BlockStats(count(correct), count(valid), count(prefix), count(before))
+    return BlockStats(
+        count(correct),
+        count(valid),
+        count(prefix),
+        count(before),
+        count(ranked),
+        jnp.sum(one_hot & ranked[..., None], axis=0, dtype=jnp.float32),
+    )
 
 
 def position_accuracy(stats: BlockStats) -> jax.Array:
@@ -293,6 +326,12 @@ def acceptance(stats: BlockStats) -> tuple[jax.Array, jax.Array]:
     """
     acc = stats.accepted / jnp.maximum(stats.reached, 1.0)  # [n]
     return acc, 1.0 + jnp.sum(jnp.cumprod(acc))
+
+
+def rank_acceptance(stats: BlockStats) -> jax.Array:
+    """[n, RANKS] P(label k has rank r | labels 1..k-1 rank below RANKS): what a tree over the top
+    candidates of each position accepts at depth k (see dflax.decoding.tree_budget)."""
+    return stats.rank_count / jnp.maximum(stats.ranked, 1.0)[:, None]
 
 
 def dflash_loss(
@@ -328,7 +367,7 @@ def dflash_loss(
         index = vocab_index(proposer.draft_vocab, proposer.target.config.vocab_size)  # [V]
         labels = jnp.take(jnp.asarray(index), labels)  # [R, n] draft-vocabulary indices, -1 outside
     readout = functools.partial(proposer.draft_logits, target_params)
-    ce, correct = token_scores(readout, hidden, labels, chunk_rows)  # [R, n]
+    ce, rank = token_scores(readout, hidden, labels, chunk_rows)  # [R, n]
     w = weights[None, :] * (blocks.valid & (labels >= 0))  # [R, n]
     loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-9)
-    return loss, block_stats(correct, blocks.valid)
+    return loss, block_stats(rank, blocks.valid)

@@ -635,6 +635,7 @@ def _validate(
         "val_loss": float(np.mean(jax.device_get(losses))),
         "val_acc": np.round(np.asarray(objective.position_accuracy(total)), 4).tolist(),
         "val_accept": np.round(np.asarray(acc), 4).tolist(),
+        "val_rank_accept": np.round(np.asarray(objective.rank_acceptance(total)), 4).tolist(),
         "val_tau": float(tau),
     }
 

@@ -14,7 +14,7 @@ import dflax
 from dflax import cost_curve, projection
 from dflax.cli import app
 from dflax.decoding.block_size import choose_block_size, expected_tau, interpolate
-from dflax.drafters import load_drafter, measured_acceptance
+from dflax.drafters import load_drafter, measured_acceptance, measured_rank_acceptance
 
 # A verify forward over n tokens: flat up to 4 tokens, then growing (the CPU's shape).
 VERIFY_S = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.6, 16: 2.4}
@@ -72,7 +72,12 @@ def test_auto_block_size_measures_once_then_reads_the_cache(tiny, monkeypatch):
     perfect = dataclasses.replace(drafter, accept=(1.0,) * 15)  # every draft accepted: tau = B
     chosen, choice = cost_curve.auto_block_size(target, perfect, rows=2, context=20)
     assert set(choice.predicted) == {2, 3, 4, 6, 8, 12, 16}  # the candidates up to the trained B=16
-    assert chosen is not None and chosen.proposer.block_size == choice.block_size
+    # The tiny model's timings are mostly dispatch and follow the machine's load: check the choice is the
+    # best predicted one (or plain decoding), not which one wins.
+    best = max(choice.predicted, key=lambda b: choice.predicted[b][1])
+    assert choice.block_size in (best, None)
+    assert (chosen is None) == (choice.block_size is None)
+    assert chosen is None or chosen.proposer.block_size == choice.block_size
     for b, (tau, _) in choice.predicted.items():
         assert tau == b
 
@@ -86,10 +91,37 @@ def test_auto_block_size_measures_once_then_reads_the_cache(tiny, monkeypatch):
     assert chosen is None and choice.block_size is None
 
 
+def test_auto_weighs_trees_when_the_drafter_recorded_rank_acceptance(tiny, monkeypatch):
+    target, drafter = tiny
+    costs = cost_curve.step_costs(target, drafter, 2, 20, [2, 4], tree_budgets=(4,))
+    assert set(costs["verify_s"]) == {1, 2, 4, 5} and set(costs["tree_draft_s"]) == {4}
+
+    def flat_costs(target, drafter, rows, context, candidates, reps=7, tree_budgets=()):
+        sizes = {1, *candidates, *(n + 1 for n in tree_budgets)}
+        return {
+            "verify_s": {n: 1.0 for n in sizes},
+            "draft_s": {b: 0.1 for b in candidates},
+            "tree_draft_s": {n: 0.1 for n in tree_budgets},
+        }
+
+    monkeypatch.setattr(cost_curve, "step_costs", flat_costs)
+    # Right at rank 0 or rank 1 half the time each: a chain commits about 2 tokens, a tree far more.
+    split = dataclasses.replace(drafter, accept=(0.5,) * 15, rank_accept=((0.5, 0.5) + (0.0,) * 6,) * 15)
+    chosen, choice = cost_curve.auto_block_size(target, split, rows=2, context=20)
+    assert set(choice.predicted_trees) == set(cost_curve.AUTO_TREE_BUDGETS)
+    assert (choice.block_size, choice.tree_budget) == (16, 64)  # flat verify costs: the largest tree
+    assert chosen.proposer.tree_budget == 64 and chosen.proposer.block_size == 16
+    chains, chain_choice = cost_curve.auto_block_size(target, split, rows=2, context=20, trees=False)
+    assert chain_choice.predicted_trees == {} and chains.proposer.tree_budget == 0
+
+
 def test_acceptance_is_read_from_training_json(tmp_path):
     assert measured_acceptance(tmp_path) is None
     (tmp_path / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [0.5, 0.25]}}))
-    assert measured_acceptance(tmp_path) == (0.5, 0.25)
+    assert measured_acceptance(tmp_path) == (0.5, 0.25) and measured_rank_acceptance(tmp_path) is None
+    ranks = [[0.5, 0.1], [0.25, 0.2]]
+    (tmp_path / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_rank_accept": ranks}}))
+    assert measured_rank_acceptance(tmp_path) == ((0.5, 0.1), (0.25, 0.2))
     shipped = measured_acceptance(dflax.drafters.shipped_drafter_path("smollm2-135m"))
     assert shipped is not None and len(shipped) == 15 and np.all(np.asarray(shipped) <= 1)
 

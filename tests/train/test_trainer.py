@@ -322,12 +322,31 @@ def test_training_with_a_draft_vocabulary_exports_it(target, prompts, sequences,
 def test_acceptance_is_the_cumulative_product_of_conditional_accuracy():
     correct = jnp.asarray([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], bool)
     valid = jnp.asarray([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], bool)
-    stats = objective.block_stats(correct, valid)
+    stats = objective.block_stats(jnp.where(correct, 0, 3), valid)
     np.testing.assert_allclose(objective.position_accuracy(stats), [3 / 4, 3 / 4, 2 / 3])
     acc, tau = objective.acceptance(stats)
     # draft 1 right in 3 of 4; draft 2 right in 2 of the 3 that reached it; draft 3: 0 of the 1 valid one
     np.testing.assert_allclose(acc, [3 / 4, 2 / 3, 0.0])
     np.testing.assert_allclose(tau, 1 + 3 / 4 + 3 / 4 * 2 / 3)
+
+
+def test_rank_acceptance_counts_ranks_among_blocks_whose_earlier_labels_are_in_the_top():
+    top = objective.RANKS
+    rank = jnp.asarray([[0, 2, 1], [top, 0, 0], [1, 1, top + 5], [0, 0, 7]], jnp.int32)
+    valid = jnp.asarray([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], bool)
+    accept = np.asarray(objective.rank_acceptance(objective.block_stats(rank, valid)))
+    expected = np.zeros((3, top))
+    expected[0, [0, 1]] = [2 / 4, 1 / 4]  # position 1: all four blocks count, one ranks past the top
+    expected[1, [0, 1, 2]] = [1 / 3, 1 / 3, 1 / 3]  # position 2: the block whose label 1 fell out is gone
+    expected[2, 1] = 1 / 2  # position 3: two blocks reach it (block 4 is invalid there); one ranks past
+    np.testing.assert_allclose(accept, expected)
+
+
+def test_label_rank_is_the_place_among_the_logits_with_argmax_tie_order():
+    logits = jnp.asarray([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 1.0]])
+    ranks = objective.label_rank(logits, jnp.asarray([2, 3], jnp.int32))
+    np.testing.assert_array_equal(ranks, [1, 2])  # among equal logits the lower index ranks first
+    np.testing.assert_array_equal(objective.label_rank(logits, jnp.asarray([1, -1], jnp.int32)), [0, 4])
 
 
 def test_data_order_is_a_permutation_per_epoch():
