@@ -50,7 +50,7 @@ def test_bad_directories_fail_with_one_clear_error(tmp_path):
         no_weights: r"no \*.safetensors",
         sharded: "lists shards that are not there",
         write_checkpoint(tmp_path / "short", DREAM_CONFIG, _without(dream, "lm_head.weight")): "missing.*lm_",
-        dream_dir(tmp_path / "wide", {**DREAM_CONFIG, "hidden_size": 64}): "has shape",
+        dream_dir(tmp_path / "wide", {**DREAM_CONFIG, "hidden_size": 128}): "has shape",
         dream_dir(tmp_path / "window", {**DREAM_CONFIG, "use_sliding_window": True}): "sliding",
         write_checkpoint(
             tmp_path / "llada", _without(LLADA_CONFIG, "d_model"), llada_tensors(LLADA_CONFIG)

@@ -13,7 +13,7 @@ DREAM_CONFIG = {
     "architectures": ["DreamModel"],
     "model_type": "Dream",
     "vocab_size": 48,
-    "hidden_size": 32,
+    "hidden_size": 64,
     "intermediate_size": 48,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
@@ -32,7 +32,7 @@ DREAM_CONFIG = {
 LLADA_CONFIG = {
     "architectures": ["LLaDAModelLM"],
     "model_type": "llada",
-    "d_model": 32,
+    "d_model": 64,
     "n_heads": 4,
     "n_kv_heads": 2,
     "n_layers": 2,

@@ -43,7 +43,7 @@ def run_window_case(drafter, params, token_range: int, seed: int = 0):
     window = rng.integers(0, token_range, (b, WINDOW)).astype(np.int32)
     window[:, ::2] = drafter.mask_token_id
     logits = jax.jit(drafter.window_logits)(params, state, last, length, window)
-    rows = [(history[r, max(0, n - CONTEXT) : n], last[r], window[r]) for r, n in enumerate(length)]
+    rows = [(history[r, max(0, n - drafter.context) : n], last[r], window[r]) for r, n in enumerate(length)]
     return np.asarray(logits), rows
 
 
