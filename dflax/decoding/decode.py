@@ -68,7 +68,11 @@ class Proposer(Protocol):
         self, params: Any, target_params: dict, state: DecodeState, key: jax.Array
     ) -> tuple[jax.Array | DraftTree, jax.Array | None]:
         """A chain of draft tokens [B, n] and, when they were sampled from q, log q [B, n, V] (else None);
-        or a `DraftTree` of n nodes (deterministic drafts only) and None."""
+        or a `DraftTree` of n nodes (deterministic drafts only) and None.
+
+        A proposer may also define `worth_verifying(params, state) -> [B] bool`: a step where no active
+        row's drafts are worth it runs the plain one-token step instead of proposing and verifying (the
+        plain step samples the target as plain decoding does, so the output is unchanged)."""
 
 
 @struct.dataclass
@@ -283,6 +287,9 @@ def decode_step(
 ) -> DecodeState:
     """One draft -> verify -> accept -> commit step for every row.
 
+    With a proposer that defines `worth_verifying`, a step where no active row's drafts are worth a verify
+    is a plain one-token step (the drafter still observes the committed token).
+
     Args:
       model: the target module.
       params: its parameters.
@@ -294,16 +301,42 @@ def decode_step(
     Returns:
       The state after committing between 1 and n + 1 tokens per active row.
     """
+    worth_verifying = getattr(proposer, "worth_verifying", None)
+    if worth_verifying is None:
+        return _step(model, params, state, sampling, drafter_params, proposer, drafts=True)
+    wanted = jnp.any(worth_verifying(drafter_params, state) & ~state.done)
+    # Two loops of at most one iteration each rather than lax.cond: XLA updates a while loop's carried
+    # cache in place, where each branch of a conditional copies it (tests/decoding/test_cache_in_place.py).
+    def once(drafts: bool):
+        return lambda carry: (
+            _step(model, params, carry[0], sampling, drafter_params, proposer, drafts),
+            jnp.asarray(False),
+        )
+
+    state = jax.lax.while_loop(lambda carry: carry[1], once(False), (state, ~wanted))[0]
+    return jax.lax.while_loop(lambda carry: carry[1], once(True), (state, wanted))[0]
+
+
+def _step(
+    model: Transformer,
+    params: dict,
+    state: DecodeState,
+    sampling: SamplingParams,
+    drafter_params: Any,
+    proposer: Proposer | None,
+    drafts: bool,
+) -> DecodeState:
+    """`decode_step` proposing and verifying drafts, or (drafts=False) verifying the last token alone."""
     b = state.last_token.shape[0]
     keys = _row_keys_at(state.row_keys, state.num_generated)
     accept_keys, draft_keys = split_keys(keys)
-    if proposer is None:
-        drafts, draft_log_probs = jnp.zeros((b, 0), jnp.int32), None
+    if proposer is None or not drafts:
+        chain, draft_log_probs = jnp.zeros((b, 0), jnp.int32), None
     else:
-        drafts, draft_log_probs = proposer.propose(drafter_params, params, state, draft_keys)  # [B, n]
+        chain, draft_log_probs = proposer.propose(drafter_params, params, state, draft_keys)  # [B, n]
     taps_wanted = proposer.tap_layers if proposer else ()
-    verify = _verify_tree if isinstance(drafts, DraftTree) else _verify_chain
-    verified = verify(model, params, state, drafts, draft_log_probs, sampling, accept_keys, taps_wanted)
+    verify = _verify_tree if isinstance(chain, DraftTree) else _verify_chain
+    verified = verify(model, params, state, chain, draft_log_probs, sampling, accept_keys, taps_wanted)
     cache, committed, count = verified.cache, verified.acceptance.tokens, verified.acceptance.num_accepted + 1
     n = committed.shape[1] - 1
 
@@ -338,7 +371,8 @@ def decode_step(
         num_generated=state.num_generated + emitted,
         done=state.done | finished,
         steps=state.steps + active,
-        accept_hist=state.accept_hist + jax.nn.one_hot(count, n + 2, dtype=jnp.int32) * active[:, None],
+        accept_hist=state.accept_hist
+        + jax.nn.one_hot(count, state.accept_hist.shape[1], dtype=jnp.int32) * active[:, None],
         drafter_state=drafter_state,
     )
 

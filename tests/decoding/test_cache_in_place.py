@@ -33,9 +33,14 @@ def cache_copies(hlo: str, config) -> int:
     return len(re.findall(rf"= {shape}\S* copy\(%(?!(wrapped_)?broadcast)", hlo))
 
 
-@pytest.mark.parametrize("with_drafter", [False, True])
+@pytest.mark.parametrize("with_drafter", ["plain", "dflash", "lookup"])
 def test_prefill_and_decode_loop_do_not_copy_the_cache(target, with_drafter):
-    drafter = dflax.load_drafter("untrained", target, block_size=4) if with_drafter else None
+    """Lookup's steps choose between a plain step and a verify of drafts (`lax.cond`): neither copies."""
+    drafter = {
+        "plain": None,
+        "dflash": dflax.load_drafter("untrained", target, block_size=4),
+        "lookup": dflax.prompt_lookup(4),
+    }[with_drafter]
     proposer = drafter.proposer if drafter else None
     drafter_params = drafter.params if drafter else None
     sampling = SamplingParams.make(0.0)
@@ -61,5 +66,5 @@ def test_prefill_and_decode_loop_do_not_copy_the_cache(target, with_drafter):
     )
     hlo = loop.lower(target.params, state, sampling, drafter_params).compile().as_text()
     assert cache_copies(hlo, target.config) == 0
-    if drafter:
+    if with_drafter == "dflash":
         assert cache_copies(hlo, drafter.proposer.module.config.layers) == 0

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +22,14 @@ from toy_target import TV_BOUND, compare, exact_joint, make_toy, sample_outcomes
 
 import dflax
 from dflax.decoding.tree import ancestor_mask, depths, with_root
-from dflax.drafters.lookup import PromptLookupProposer, lookup_drafts, lookup_tree, match_starts
+from dflax.drafters.lookup import (
+    History,
+    PromptLookupProposer,
+    lookup_drafts,
+    lookup_tree,
+    match_lengths,
+    match_starts,
+)
 
 # Prompts with repeats, so lookup finds matches in the prompt as well as in the output.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12], [20, 21, 22, 20, 21, 22, 23, 20, 21], [40]]
@@ -94,10 +103,10 @@ def target(tiny_checkpoint):
     return dflax.load_target(str(tiny_checkpoint("qwen3")[0]))
 
 
-@pytest.mark.parametrize("block_size, tree_budget", [(4, 0), (8, 0), (4, 9)])
-def test_lookup_greedy_equals_plain_greedy(target, block_size, tree_budget):
+@pytest.mark.parametrize("block_size, tree_budget, min_match", [(4, 0, 0), (8, 0, 2), (4, 9, 2), (8, 0, 3)])
+def test_lookup_greedy_equals_plain_greedy(target, block_size, tree_budget, min_match):
     expected, _ = greedy(target, PROMPTS, 40)
-    got, results = greedy(target, PROMPTS, 40, dflax.prompt_lookup(block_size, tree_budget))
+    got, results = greedy(target, PROMPTS, 40, dflax.prompt_lookup(block_size, tree_budget, min_match))
     assert got == expected
     # A random tiny model repeats itself, so copied drafts are accepted: the test covers accepted drafts.
     assert max(r.stats["tau"] for r in results) > 1.5
@@ -112,11 +121,27 @@ def test_lookup_mixed_batch_equals_each_prompt_alone(target):
         assert greedy(target, [prompt], 30, lookup, batch_size=1)[0] == [got]
 
 
+def test_a_step_verifies_drafts_only_after_a_match_of_min_match_tokens():
+    history = jnp.asarray([[5, 6, 7, 9, 5, 6, 0, 0], [1, 2, 3, 4, 3, 0, 0, 0]], jnp.int32)
+    last = jnp.asarray([7, 8], jnp.int32)  # row 0 ends "5 6 7" (seen at 0..2), row 1 ends "3 8" (8 unseen)
+    cache = SimpleNamespace(positions=jnp.asarray([6, 5], jnp.int32))  # what the proposer reads
+    state = SimpleNamespace(cache=cache, last_token=last, drafter_state=History(history))
+    worth = lambda m: np.asarray(PromptLookupProposer(4, min_match=m).worth_verifying(None, state))
+    np.testing.assert_array_equal(worth(0), [True, True])
+    np.testing.assert_array_equal(worth(1), [True, False])
+    np.testing.assert_array_equal(worth(3), [True, False])
+    np.testing.assert_array_equal(
+        match_lengths(jnp.asarray([[5, 6, 7, 9, 5, 6, 7, 0]]), jnp.asarray([7]))[0], [0, 0, 0, 3, 0, 0, 0, 0]
+    )
+
+
 def test_prompt_lookup_refuses_bad_settings():
     with pytest.raises(ValueError, match="block size must be >= 2"):
         dflax.prompt_lookup(1)
     with pytest.raises(ValueError, match="tree budget must be >= 0"):
         dflax.prompt_lookup(4, -1)
+    with pytest.raises(ValueError, match="min_match must be 0"):
+        dflax.prompt_lookup(4, 0, 4)
 
 
 @pytest.mark.slow
