@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from dflax.decoding.cache import KVCache, SharedPrefix
 from dflax.decoding.decode import DecodeState, Proposer, first_state
 from dflax.decoding.sampling import SamplingParams
+from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
 from pallas_kernels.shared_prefix import GroupLayout
 
@@ -101,6 +102,8 @@ def prefill_shared(
     *,
     max_tokens: int,
     proposer: Proposer | None = None,
+    packed_prefix: int | None = None,
+    packed_own: int | None = None,
 ) -> DecodeState:
     """`prefill` for rows whose prompts start with their group's shared prefix.
 
@@ -114,6 +117,10 @@ def prefill_shared(
       own_lens: [B] int32 its length (>= 1).
       cache: an empty cache of S >= P + max_tokens + max_draft + 1 own slots per row.
       max_new, row_keys, eos_ids, sampling, drafter_params, max_tokens, proposer: as in `prefill`.
+      packed_prefix: static size >= sum(prefix_lens): run the prefixes' token-wise work on their real
+        tokens packed back to back (see dflax.models.packing); None = all G x L slots.
+      packed_own: static size >= sum(own_lens): the same for the rows' own prompt rests, which then also
+        attend packed on the CPU path (pallas_kernels.shared_prefix.packed); None = all B x P slots.
 
     Returns:
       The initial decode state; its cache holds the shared prefixes and the rows' own prompt parts.
@@ -126,6 +133,7 @@ def prefill_shared(
     # Each group's prefix once: [G, L] tokens at positions 0 .. L - 1.
     prefix_positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (g, length))
     prefix_cache = KVCache.init(model.config, g, length, dtype)
+    prefix_packing = _packing(prefix_lens, length, packed_prefix)
     _, prefix_cache, prefix_taps = model.apply(
         params,
         prefix_tokens,
@@ -134,7 +142,10 @@ def prefill_shared(
         _prompt_mask(prefix_lens, length),
         taps_wanted,
         empty_cache=True,
+        packing=prefix_packing,
     )
+    if prefix_packing is not None:
+        prefix_taps = tuple(prefix_packing.unpack(tap[0]) for tap in prefix_taps)  # [G, L, D] each
     head_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [G, L, K, H] -> [G, K, L, H]
     shared = SharedPrefix(
         k=tuple(map(head_major, prefix_cache.k)),
@@ -146,10 +157,16 @@ def prefill_shared(
 
     # Each row's own part on top of its group's prefix.
     positions = row_offsets[:, None] + jnp.arange(p, dtype=jnp.int32)  # [B, P]
+    own_packing = _packing(own_lens, p, packed_own)
     hidden, cache, taps = model.apply(
-        params, own_tokens, positions, cache.replace(shared=shared), _prompt_mask(own_lens, p), taps_wanted
-    )
-    last_hidden = jnp.take_along_axis(hidden, (own_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+        params, own_tokens, positions, cache.replace(shared=shared), _prompt_mask(own_lens, p), taps_wanted,
+        empty_cache=True, packing=own_packing,
+    )  # fmt: skip
+    if own_packing is None:
+        last_hidden = jnp.take_along_axis(hidden, (own_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    else:  # row r's last token is packed at sum(own_lens[:r + 1]) - 1
+        last_hidden = hidden[0, jnp.cumsum(own_lens) - 1]  # [B, D]
+        taps = tuple(own_packing.unpack(tap[0]) for tap in taps)  # [B, P, D] each
 
     drafter_state = None
     if proposer:  # the drafter keeps its own per-row context: the prefix, then the row's own part
@@ -165,6 +182,11 @@ def prefill_shared(
         model, params, last_hidden, cache, max_new, row_keys, eos_ids, sampling, drafter_state,
         max_tokens=max_tokens, proposer=proposer,
     )  # fmt: skip
+
+
+def _packing(lens: jax.Array, length: int, size: int | None) -> Packing | None:
+    """The packing of rows of lens [N] real tokens of a [N, length] layout into `size` slots (None: none)."""
+    return None if size is None else Packing.of_lengths(lens, length, size)
 
 
 def _prompt_mask(lens: jax.Array, length: int) -> jax.Array:
