@@ -139,7 +139,7 @@ def prefill_shared(
         prefix_tokens,
         prefix_positions,
         prefix_cache,
-        _prompt_mask(prefix_lens, length),
+        None,  # causal by index
         taps_wanted,
         empty_cache=True,
         packing=prefix_packing,
@@ -159,8 +159,8 @@ def prefill_shared(
     positions = row_offsets[:, None] + jnp.arange(p, dtype=jnp.int32)  # [B, P]
     own_packing = _packing(own_lens, p, packed_own)
     hidden, cache, taps = model.apply(
-        params, own_tokens, positions, cache.replace(shared=shared), _prompt_mask(own_lens, p), taps_wanted,
-        empty_cache=True, packing=own_packing,
+        params, own_tokens, positions, cache.replace(shared=shared), None, taps_wanted, empty_cache=True,
+        packing=own_packing,
     )  # fmt: skip
     if own_packing is None:
         last_hidden = jnp.take_along_axis(hidden, (own_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
@@ -187,9 +187,3 @@ def prefill_shared(
 def _packing(lens: jax.Array, length: int, size: int | None) -> Packing | None:
     """The packing of rows of lens [N] real tokens of a [N, length] layout into `size` slots (None: none)."""
     return None if size is None else Packing.of_lengths(lens, length, size)
-
-
-def _prompt_mask(lens: jax.Array, length: int) -> jax.Array:
-    """[N, length, length] bool: causal, and only the first lens[i] tokens of row i are keys."""
-    causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
-    return causal[None] & (jnp.arange(length)[None, None, :] < lens[:, None, None])

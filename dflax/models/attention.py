@@ -127,7 +127,8 @@ def attend(
       k_cache, v_cache: [B, S, K, H] cached keys/values; slots >= cache_len are never read.
       cache_len: [B] int32 valid cache length per row.
       k_new, v_new: [B, T, K, H] keys/values of the new tokens.
-      new_mask: [B, T, T] bool, query i may see new token j.
+      new_mask: [B, T, T] bool, query i may see new token j; None = causal by index (j <= i: prompts and
+        chains), which the kernels compute from iotas instead of reading a mask.
       q_positions: [B, T] int32 absolute positions of the new tokens.
       causal: static promise that new_mask is lower-triangular (lets the CPU path skip work).
 
@@ -177,6 +178,9 @@ def _attend_shared(cfg, shared, q, k_cache, v_cache, cache_len, k_new, v_new, ne
     """Shared prefix + own cache + new-token attention: [B, T, N, H] (see `Attention.__call__`)."""
     _check_global(cfg)
     backend, interpret = _kernel_backend(cfg.backend)
+    if new_mask is None:  # causal by index
+        b, t = q.shape[:2]
+        new_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
     return shared_prefix_attention(
         q, shared.k[0], shared.v[0], shared.lengths, shared.layout, k_cache, v_cache, cache_len, k_new, v_new,
         new_mask, sm_scale=cfg.scale, causal=causal,
@@ -281,7 +285,7 @@ class Attention(nn.Module):
         k_cache: jax.Array,
         v_cache: jax.Array,
         cache_len: jax.Array,
-        new_mask: jax.Array,
+        new_mask: jax.Array | None,
         write_cache: bool = False,
         empty_cache: bool = False,
         causal: bool = False,
@@ -295,7 +299,7 @@ class Attention(nn.Module):
           positions: [B, T] int32 absolute positions (the padded layout, also with `packing`).
           k_cache, v_cache: [B, S, K, H].
           cache_len: [B] int32.
-          new_mask: [B, T, T] bool.
+          new_mask: [B, T, T] bool, or None: causal by index (prompts, chains).
           write_cache: static; write the new keys/values at slots [cache_len, cache_len + T) of the cache.
           empty_cache: static promise that every cache_len is 0: attention skips the cache.
           causal: static promise that new_mask is lower-triangular.
