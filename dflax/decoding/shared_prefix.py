@@ -3,7 +3,8 @@
 `share_groups` finds, on the host, groups of consecutive prompts with a long common token prefix (chat
 prompts under one system message, one prompt repeated for several samples). `prefill_shared` runs each
 group's prefix through the target once, keeps its K/V in the cache's `SharedPrefix` (one copy per group,
-not per row), then prefills each row's own rest of the prompt on top of it. Decoding then runs unchanged:
+not per row), then prefills each row's own rest of the prompt on top of it; both passes can run their real
+tokens packed back to back (`packed_prefix`, `packed_own`). Decoding then runs unchanged:
 attention reads a group's prefix once for all its rows (pallas_kernels.shared_prefix), the rows' positions
 start after their prefix (`KVCache.positions`), and drafters observe the whole prompt as before.
 
