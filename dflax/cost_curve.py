@@ -50,8 +50,7 @@ def verify_times(
     def verify(params, cache, tokens):  # [rows, n] tokens; the donated cache is written in place
         n = tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
-        mask = jnp.tril(jnp.ones((rows, n, n), jnp.bool_))
-        hidden, cache, _ = module.apply(params, tokens, positions, cache, mask)
+        hidden, cache, _ = module.apply(params, tokens, positions, cache, None)  # None: causal
         return module.apply(params, hidden, method=Transformer.logits), cache
 
     def one(n: int) -> float:

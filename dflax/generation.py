@@ -163,7 +163,7 @@ def compiled_shared_prefill(target: Target, proposer: Proposer | None) -> Callab
     if proposer not in per_target:
         per_target[proposer] = jax.jit(
             functools.partial(prefill_shared, target.module, proposer=proposer),
-            static_argnames=("max_tokens",),
+            static_argnames=("max_tokens", "packed_prefix", "packed_own"),
             donate_argnames=("cache",),
         )
     return per_target[proposer]
@@ -261,6 +261,8 @@ def generate_ids(
             sampling,
             drafter_params,
             max_tokens=max_new_tokens,
+            packed_prefix=packed_bucket(sum(group.length for group in groups), *shared_inputs[0].shape),
+            packed_own=packed,
         )
     else:
         state = prefill_fn(

@@ -154,13 +154,11 @@ def prefill(
     """
     b, p = prompt_tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
-    mask = causal[None] & (jnp.arange(p)[None, None, :] < prompt_lens[:, None, None])  # [B, P, P]
     taps_wanted = proposer.tap_layers if proposer else ()
     packing = None if packed_tokens is None else Packing.of_lengths(prompt_lens, p, packed_tokens)
     hidden, cache, taps = model.apply(
-        params, prompt_tokens, positions, cache, mask, taps_wanted, empty_cache=True, packing=packing
-    )
+        params, prompt_tokens, positions, cache, None, taps_wanted, empty_cache=True, packing=packing
+    )  # new_mask None: causal by index
     if packing is None:
         last_hidden = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     else:  # row r's last token is packed at sum(prompt_lens[:r + 1]) - 1
@@ -245,11 +243,11 @@ class Verified:
 
 def _verify_chain(model, params, state, drafts, draft_log_probs, sampling, keys, taps_wanted) -> Verified:
     """Verifies the chain [last token, drafts] [B, n + 1] with a causal mask (delta or ratio rule)."""
-    b, n = drafts.shape
+    n = drafts.shape[1]
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, n + 1]
     positions = state.cache.positions[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((n + 1, n + 1), jnp.bool_)), (b, n + 1, n + 1))
-    hidden, cache, taps = model.apply(params, block, positions, state.cache, causal, taps_wanted)
+    # new_mask None: causal by index
+    hidden, cache, taps = model.apply(params, block, positions, state.cache, None, taps_wanted)
     logits = model.apply(params, hidden, method=Transformer.logits)  # [B, n + 1, V]
     if draft_log_probs is None:
         acc = accept_delta(keys, drafts, logits, sampling)

@@ -3,7 +3,8 @@
 `share_groups` finds, on the host, groups of consecutive prompts with a long common token prefix (chat
 prompts under one system message, one prompt repeated for several samples). `prefill_shared` runs each
 group's prefix through the target once, keeps its K/V in the cache's `SharedPrefix` (one copy per group,
-not per row), then prefills each row's own rest of the prompt on top of it. Decoding then runs unchanged:
+not per row), then prefills each row's own rest of the prompt on top of it; both passes can run their real
+tokens packed back to back (`packed_prefix`, `packed_own`). Decoding then runs unchanged:
 attention reads a group's prefix once for all its rows (pallas_kernels.shared_prefix), the rows' positions
 start after their prefix (`KVCache.positions`), and drafters observe the whole prompt as before.
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from dflax.decoding.cache import KVCache, SharedPrefix
 from dflax.decoding.decode import DecodeState, Proposer, first_state
 from dflax.decoding.sampling import SamplingParams
+from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
 from pallas_kernels.shared_prefix import GroupLayout
 
@@ -101,6 +103,8 @@ def prefill_shared(
     *,
     max_tokens: int,
     proposer: Proposer | None = None,
+    packed_prefix: int | None = None,
+    packed_own: int | None = None,
 ) -> DecodeState:
     """`prefill` for rows whose prompts start with their group's shared prefix.
 
@@ -114,6 +118,10 @@ def prefill_shared(
       own_lens: [B] int32 its length (>= 1).
       cache: an empty cache of S >= P + max_tokens + max_draft + 1 own slots per row.
       max_new, row_keys, eos_ids, sampling, drafter_params, max_tokens, proposer: as in `prefill`.
+      packed_prefix: static size >= sum(prefix_lens): run the prefixes' token-wise work on their real
+        tokens packed back to back (see dflax.models.packing); None = all G x L slots.
+      packed_own: static size >= sum(own_lens): the same for the rows' own prompt rests, which then also
+        attend packed on the CPU path (pallas_kernels.shared_prefix.packed); None = all B x P slots.
 
     Returns:
       The initial decode state; its cache holds the shared prefixes and the rows' own prompt parts.
@@ -126,15 +134,19 @@ def prefill_shared(
     # Each group's prefix once: [G, L] tokens at positions 0 .. L - 1.
     prefix_positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (g, length))
     prefix_cache = KVCache.init(model.config, g, length, dtype)
+    prefix_packing = _packing(prefix_lens, length, packed_prefix)
     _, prefix_cache, prefix_taps = model.apply(
         params,
         prefix_tokens,
         prefix_positions,
         prefix_cache,
-        _prompt_mask(prefix_lens, length),
+        None,  # causal by index
         taps_wanted,
         empty_cache=True,
+        packing=prefix_packing,
     )
+    if prefix_packing is not None:
+        prefix_taps = tuple(prefix_packing.unpack(tap[0]) for tap in prefix_taps)  # [G, L, D] each
     head_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [G, L, K, H] -> [G, K, L, H]
     shared = SharedPrefix(
         k=tuple(map(head_major, prefix_cache.k)),
@@ -146,10 +158,16 @@ def prefill_shared(
 
     # Each row's own part on top of its group's prefix.
     positions = row_offsets[:, None] + jnp.arange(p, dtype=jnp.int32)  # [B, P]
+    own_packing = _packing(own_lens, p, packed_own)
     hidden, cache, taps = model.apply(
-        params, own_tokens, positions, cache.replace(shared=shared), _prompt_mask(own_lens, p), taps_wanted
-    )
-    last_hidden = jnp.take_along_axis(hidden, (own_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+        params, own_tokens, positions, cache.replace(shared=shared), None, taps_wanted, empty_cache=True,
+        packing=own_packing,
+    )  # fmt: skip
+    if own_packing is None:
+        last_hidden = jnp.take_along_axis(hidden, (own_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    else:  # row r's last token is packed at sum(own_lens[:r + 1]) - 1
+        last_hidden = hidden[0, jnp.cumsum(own_lens) - 1]  # [B, D]
+        taps = tuple(own_packing.unpack(tap[0]) for tap in taps)  # [B, P, D] each
 
     drafter_state = None
     if proposer:  # the drafter keeps its own per-row context: the prefix, then the row's own part
@@ -167,7 +185,6 @@ def prefill_shared(
     )  # fmt: skip
 
 
-def _prompt_mask(lens: jax.Array, length: int) -> jax.Array:
-    """[N, length, length] bool: causal, and only the first lens[i] tokens of row i are keys."""
-    causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
-    return causal[None] & (jnp.arange(length)[None, None, :] < lens[:, None, None])
+def _packing(lens: jax.Array, length: int, size: int | None) -> Packing | None:
+    """The packing of rows of lens [N] real tokens of a [N, length] layout into `size` slots (None: none)."""
+    return None if size is None else Packing.of_lengths(lens, length, size)

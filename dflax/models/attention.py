@@ -23,6 +23,7 @@ from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 from dflax.models.packing import Packing
 from dflax.sharding.attention import shard_attention
 from pallas_kernels.shared_prefix import shared_prefix_attention
+from pallas_kernels.shared_prefix.packed import packed_shared_prefix_attention
 from pallas_kernels.tree_attention import resolve_backend, tree_attention
 from pallas_kernels.tree_attention.packed import packed_causal_attention
 
@@ -126,7 +127,8 @@ def attend(
       k_cache, v_cache: [B, S, K, H] cached keys/values; slots >= cache_len are never read.
       cache_len: [B] int32 valid cache length per row.
       k_new, v_new: [B, T, K, H] keys/values of the new tokens.
-      new_mask: [B, T, T] bool, query i may see new token j.
+      new_mask: [B, T, T] bool, query i may see new token j; None = causal by index (j <= i: prompts and
+        chains), which the kernels compute from iotas instead of reading a mask.
       q_positions: [B, T] int32 absolute positions of the new tokens.
       causal: static promise that new_mask is lower-triangular (lets the CPU path skip work).
 
@@ -163,19 +165,39 @@ def _pallas_platform(backend: str) -> str | None:
     return resolved if resolved in ("tpu", "gpu") else None
 
 
-def _attend_shared(cfg, shared, q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, causal):
-    """Shared prefix + own cache + new-token attention: [B, T, N, H] (see `Attention.__call__`)."""
+def _check_global(cfg: AttentionConfig) -> None:
+    """Shared prefixes are read by global-attention layers only."""
     if cfg.sliding_window is not None:
         raise ValueError(
             "a shared prefix is read by global-attention layers only; this layer has a sliding window "
             "(use shared_prefix='none' for this model)"
         )
+
+
+def _attend_shared(cfg, shared, q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, causal):
+    """Shared prefix + own cache + new-token attention: [B, T, N, H] (see `Attention.__call__`)."""
+    _check_global(cfg)
     backend, interpret = _kernel_backend(cfg.backend)
+    if new_mask is None:  # causal by index
+        b, t = q.shape[:2]
+        new_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
     return shared_prefix_attention(
         q, shared.k[0], shared.v[0], shared.lengths, shared.layout, k_cache, v_cache, cache_len, k_new, v_new,
         new_mask, sm_scale=cfg.scale, causal=causal,
         prefix_kernel="gpu" if interpret else _pallas_platform(backend), interpret=interpret,
     )  # fmt: skip
+
+
+def _attend_packed_shared(cfg, shared, packing, q, k, v):
+    """Packed prompt rests q [L, N, H], k, v [L, K, H] over their groups' shared prefixes and causally
+    over their own rows: [1, L, N * H] (see pallas_kernels.shared_prefix.packed)."""
+    _check_global(cfg)
+    rows = packing.segment_ids
+    token_group = jnp.where(rows >= 0, shared.layout.row_group[jnp.maximum(rows, 0)], -1)  # [L]
+    out = packed_shared_prefix_attention(
+        q, k, v, rows, token_group, shared.k[0], shared.v[0], shared.lengths, sm_scale=cfg.scale
+    )
+    return out.reshape(1, packing.size, -1)
 
 
 class Attention(nn.Module):
@@ -263,7 +285,7 @@ class Attention(nn.Module):
         k_cache: jax.Array,
         v_cache: jax.Array,
         cache_len: jax.Array,
-        new_mask: jax.Array,
+        new_mask: jax.Array | None,
         write_cache: bool = False,
         empty_cache: bool = False,
         causal: bool = False,
@@ -277,13 +299,14 @@ class Attention(nn.Module):
           positions: [B, T] int32 absolute positions (the padded layout, also with `packing`).
           k_cache, v_cache: [B, S, K, H].
           cache_len: [B] int32.
-          new_mask: [B, T, T] bool.
+          new_mask: [B, T, T] bool, or None: causal by index (prompts, chains).
           write_cache: static; write the new keys/values at slots [cache_len, cache_len + T) of the cache.
           empty_cache: static promise that every cache_len is 0: attention skips the cache.
           causal: static promise that new_mask is lower-triangular.
           packing: x holds the packed tokens of the padded [B, T] layout (see dflax.models.packing): the
             projections run on them; attention runs on the pack on the CPU path and on the padded layout
-            in the kernels. Only for prompts: needs `empty_cache` and a causal new_mask.
+            in the kernels. Only for prompts: needs `empty_cache` and a causal new_mask. With `shared`
+            too, the packed tokens are the rows' own prompt rests on top of their groups' prefixes.
           shared: this layer's shared prefixes (`SharedPrefix.layer`): each row also attends to its group's
             prefix, in front of its own cache, by the two-level attention of pallas_kernels.shared_prefix
             (the prefix level by its Pallas kernel where the backend is Pallas, jnp elsewhere; each row's
@@ -301,7 +324,9 @@ class Attention(nn.Module):
         k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
         packed_out = None
         if packing is not None:
-            if _attends_packed(cfg):  # a prompt on the CPU: attention on the pack itself
+            if _attends_packed(cfg) and shared is not None:  # prompt rests over shared prefixes, CPU
+                packed_out = _attend_packed_shared(cfg, shared, packing, q[0], k[0], v[0])
+            elif _attends_packed(cfg):  # a prompt on the CPU: attention on the pack itself
                 packed_out = packed_causal_attention(
                     q[0], k[0], v[0], packing.segment_ids, token_positions[0], sm_scale=cfg.scale,
                     sliding_window=cfg.sliding_window,

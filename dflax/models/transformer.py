@@ -165,7 +165,7 @@ class Transformer(nn.Module):
         tokens: jax.Array,
         positions: jax.Array,
         cache: KVCache,
-        new_mask: jax.Array,
+        new_mask: jax.Array | None,
         tap_layers: tuple[int, ...] = (),
         empty_cache: bool = False,
         packing: Packing | None = None,
@@ -179,8 +179,11 @@ class Transformer(nn.Module):
             `lengths` is NOT advanced: committing is the caller's decision. With `cache.shared`, every
             row also attends to its group's shared prefix (read once per group, see
             pallas_kernels.shared_prefix).
-          new_mask: [B, T, T] bool, which new tokens each new token sees; lower-triangular (a prompt, a
-            chain, or a tree in topological order), which lets the CPU attention skip work.
+          new_mask: [B, T, T] bool, which new tokens each new token sees; lower-triangular (a tree in
+            topological order), which lets the CPU attention skip work. None = causal by index (prompts
+            and chains: token i sees new tokens j <= i), which the Pallas kernels compute from iotas
+            (and skip the tiles above the diagonal) instead of reading a mask; padding tokens after a
+            row's prompt then see each other, but no real token sees them.
           tap_layers: layer ids whose OUTPUT hidden states to return (HF hidden_states[l + 1]).
           empty_cache: static promise that every row's cache length is 0 (prefill): attention then
             skips the cache instead of scoring and masking all of its slots.

@@ -30,7 +30,7 @@ def shard_attention(attention: Callable, num_heads: int, num_kv_heads: int) -> C
     it runs per device on the active mesh (the call itself when no mesh is active).
 
     Shapes: q [B, T, N, H], caches [B, S, K, H], cache_len [B], k_new / v_new [B, T, K, H],
-    new_mask [B, T, T], q_positions [B, T] -> out [B, T, N, H].
+    new_mask [B, T, T] or None (causal by index), q_positions [B, T] -> out [B, T, N, H].
     """
     mesh = active_mesh()
     if mesh is None:
@@ -51,10 +51,26 @@ def shard_attention(attention: Callable, num_heads: int, num_kv_heads: int) -> C
         return attention(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions)
 
     # The Pallas kernels' outputs declare no varying mesh axes, hence check_vma=False.
-    return jax.shard_map(
+    sharded = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(heads, kv, kv, rows, kv, kv, rows, rows),
         out_specs=heads,
         check_vma=False,
     )
+    causal = jax.shard_map(  # no mask to split: causal by index
+        lambda q, k_cache, v_cache, cache_len, k_new, v_new, q_positions: per_device(
+            q, k_cache, v_cache, cache_len, k_new, v_new, None, q_positions
+        ),
+        mesh=mesh,
+        in_specs=(heads, kv, kv, rows, kv, kv, rows),
+        out_specs=heads,
+        check_vma=False,
+    )
+
+    def run(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions):
+        if new_mask is None:
+            return causal(q, k_cache, v_cache, cache_len, k_new, v_new, q_positions)
+        return sharded(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions)
+
+    return run

@@ -168,13 +168,11 @@ def target_features(
     """
     num_seqs, max_len = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (num_seqs, max_len))
-    causal = jnp.tril(jnp.ones((max_len, max_len), jnp.bool_))
-    mask = causal[None] & (jnp.arange(max_len)[None, None, :] < lengths[:, None, None])  # [N, S, S]
     cache = KVCache.init(target.config, num_seqs, max_len, target.dtype)
     packing = Packing.of_lengths(lengths, max_len, pack_tokens)
     _, _, taps = target.apply(
-        target_params, tokens, positions, cache, mask, tap_layers, empty_cache=True, packing=packing
-    )  # taps: [1, L, D] each
+        target_params, tokens, positions, cache, None, tap_layers, empty_cache=True, packing=packing
+    )  # new_mask None: causal by index; taps: [1, L, D] each
     return jax.lax.stop_gradient(jnp.concatenate(taps, axis=-1)[0])
 
 

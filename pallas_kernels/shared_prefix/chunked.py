@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.shared_prefix.layout import GroupLayout
 from pallas_kernels.shared_prefix.pallas import combine_tiles, prefix_tiles
+from pallas_kernels.shared_prefix.split import split_prefix_state
 from pallas_kernels.tree_attention.chunked import _prefix, _prefix_single_query, online_update
 from pallas_kernels.tree_attention.reference import MASK_VALUE
 
@@ -44,6 +45,7 @@ def shared_prefix_attention(
     query_block: int = 256,
     prefix_kernel: str | None = None,
     interpret: bool = False,
+    prefix_splits: int = 1,
 ) -> jax.Array:
     """Attention of each row's new tokens to its group's shared prefix, its own cache and each other.
 
@@ -62,6 +64,9 @@ def shared_prefix_attention(
       prefix_kernel: "tpu" or "gpu": run level 1 (the prefix) as that platform's Pallas kernel
         (`pallas_kernels.shared_prefix.pallas`: Mosaic on TPU, Triton on GPU); None runs it in jnp.
       interpret: with prefix_kernel, run it in Pallas interpret mode (CPU tests).
+      prefix_splits: the jnp level 1 splits every prefix into this many parts over its length, merged by
+        log-sum-exp (`pallas_kernels.shared_prefix.split`; 1 = no split, the default: no gain measured on
+        CPU). It must divide the prefix slots. Ignored with prefix_kernel.
 
     Returns:
       [B, T, N, H] in q's dtype (fp32 accumulation), equal to per-row attention over the concatenation.
@@ -74,7 +79,7 @@ def shared_prefix_attention(
             f"num_heads={n} a multiple of num_kv_heads, got {prefix_k.shape}"
         )
     qf = q.astype(jnp.float32).reshape(b, t, kv, n // kv, h) * sm_scale  # [B, T, K, Q, H]
-    state = _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout, prefix_kernel, interpret)
+    state = _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout, prefix_kernel, interpret, prefix_splits)
     if k_cache.shape[1]:
         cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[1])
         positions = jnp.zeros((b, t), jnp.int32)  # positions only matter to sliding windows (none here)
@@ -95,7 +100,7 @@ def shared_prefix_attention(
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout, kernel, interpret: bool):
+def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout, kernel, interpret: bool, splits):
     """Softmax state of every row's queries qf [B, T, K, Q, H] over its group's prefix.
 
     Returns:
@@ -109,7 +114,13 @@ def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout, kerne
     if kernel is not None:
         m, denom, acc = _prefix_by_kernel(grouped, prefix_k, prefix_v, prefix_len, kernel, interpret)
     else:
-        m, denom, acc = _prefix_dense(grouped, prefix_k, prefix_v, prefix_len)
+        slots = prefix_k.shape[2]
+        if slots % splits:
+            raise ValueError(f"prefix_splits={splits} must divide the prefix slots {slots}")
+        if splits > 1:
+            m, denom, acc = split_prefix_state(_prefix_dense, grouped, prefix_k, prefix_v, prefix_len, splits)
+        else:
+            m, denom, acc = _prefix_dense(grouped, prefix_k, prefix_v, prefix_len)
 
     def to_rows(x):  # [G, K, X, ...] -> [B, T, K, Q, ...]
         tail = x.shape[3:]

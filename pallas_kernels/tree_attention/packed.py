@@ -39,12 +39,13 @@ def packed_causal_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     block: int | None = None,
+    initial_state: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Causal self-attention inside each segment of a pack.
 
     Token i sees token j when both are in the same segment, j <= i, and (with a window w)
     positions[i] - positions[j] < w. Segments are contiguous and in order; tokens with segment id -1 (the
-    unused tail of a pack) see nothing and return zeros.
+    unused tail of a pack) see nothing and return zeros (unless their initial state says otherwise).
 
     Args:
       q: [L, N, H] queries.
@@ -55,6 +56,10 @@ def packed_causal_attention(
       sm_scale: logit scale; default H ** -0.5.
       sliding_window: python int w or None.
       block: queries and keys per block (must divide L); default `block_size(L)`.
+      initial_state: the softmax state of every query over keys in front of the pack (a shared prefix,
+        see pallas_kernels.shared_prefix.packed), continued here by the pack's own keys: (running max
+        [L, K, G], denominator [L, K, G], numerator [L, K, G, H]) fp32 over logits already multiplied by
+        the scale, with G = N // K query heads per kv head. None = no keys in front (a fresh state).
 
     Returns:
       [L, N, H] in q's dtype (fp32 accumulation).
@@ -101,11 +106,14 @@ def packed_causal_attention(
             return online_update(state, scores, vis[:, None, None, :], vb, "QKGC,CKH->QKGH")
 
         first_key = jax.lax.dynamic_index_in_dim(first_visible, lo_q, keepdims=False)
-        state = (
-            jnp.full((block, kv, g), MASK_VALUE, jnp.float32),
-            jnp.zeros((block, kv, g), jnp.float32),
-            jnp.zeros((block, kv, g, h), jnp.float32),
-        )
+        if initial_state is None:
+            state = (
+                jnp.full((block, kv, g), MASK_VALUE, jnp.float32),
+                jnp.zeros((block, kv, g), jnp.float32),
+                jnp.zeros((block, kv, g, h), jnp.float32),
+            )
+        else:
+            state = tuple(jax.lax.dynamic_slice_in_dim(x, lo_q, block) for x in initial_state)
         _, denom, acc = jax.lax.fori_loop(first_key // block, j + 1, key_block, state)
         res = acc * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)[..., None]
         return jax.lax.dynamic_update_slice_in_dim(out, res, lo_q, axis=0)

@@ -7,14 +7,19 @@ one prompt (a second group), and a row sharing nothing (the group without a pref
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dflax
+from dflax.decoding.cache import KVCache
 from dflax.decoding.sampling import SamplingParams
-from dflax.decoding.shared_prefix import PrefixGroup, share_groups
+from dflax.decoding.shared_prefix import PrefixGroup, prefill_shared, share_groups
 from dflax.drafters import load_drafter, prompt_lookup
-from dflax.generation import generate_ids
+from dflax.generation import _shared_prefix_inputs, generate_ids, packed_bucket
 
 SYSTEM = [int(x) for x in np.random.default_rng(0).integers(3, 60, size=45)]
 REPEATED = [7, 8, 9] * 14
@@ -107,3 +112,45 @@ def test_prefix_kernel_in_generation(tiny_checkpoint, target):
     want = run(target, "none", max_new=8)
     got = run(kernel_target, "auto", max_new=8)
     assert [r.tokens for r in got] == [r.tokens for r in want]
+
+
+def test_packed_prefill_equals_padded_prefill(target):
+    """The ragged prompt rests (5, 1, 18, 1, 1, 1, 3 tokens) and the prefixes packed back to back give the
+    cache of the padded prefill: every layer's K/V in every read slot, and the same first tokens (rows 0-6;
+    row 7 is padding in no group, whose prefix part is unspecified)."""
+    groups, n = share_groups(PROMPTS), len(PROMPTS)
+    batch, offsets = 8, np.zeros(8, np.int32)
+    for group in groups:
+        offsets[group.rows] = group.length
+    lens = np.ones(batch, np.int32)  # a padding row holds one token
+    tokens = np.zeros((batch, 32), np.int32)
+    for r, ids in enumerate(PROMPTS):
+        lens[r] = len(ids) - offsets[r]
+        tokens[r, : lens[r]] = ids[offsets[r] :]
+    shared_inputs = _shared_prefix_inputs(PROMPTS, groups, batch, offsets)
+    sizes = dict(
+        packed_prefix=packed_bucket(sum(g.length for g in groups), *shared_inputs[0].shape),
+        packed_own=packed_bucket(int(lens.sum()), batch, 32),
+    )
+    assert None not in sizes.values()  # both parts do run packed here
+    rest = (
+        jnp.asarray(tokens), jnp.asarray(lens), KVCache.init(target.config, batch, 64, target.cache_dtype),
+        jnp.full((batch,), 4), jax.vmap(jax.random.key)(jnp.arange(batch)),
+        jnp.asarray(target.eos_ids, jnp.int32), SamplingParams.make(),
+    )  # fmt: skip
+
+    def run(**packed):
+        prefill = functools.partial(prefill_shared, target.module, max_tokens=4, **packed)
+        return jax.jit(prefill)(target.params, *shared_inputs, *rest)
+
+    padded, packed = run(), run(**sizes)
+    np.testing.assert_array_equal(packed.last_token[:n], padded.last_token[:n])
+    close = functools.partial(np.testing.assert_allclose, atol=1e-5, rtol=1e-5)
+    for layer in range(target.config.num_layers):
+        for kind in ("k", "v"):
+            got, want = getattr(packed.cache, kind)[layer], getattr(padded.cache, kind)[layer]
+            for r in range(n):
+                close(got[r, : lens[r]], want[r, : lens[r]])
+            got, want = getattr(packed.cache.shared, kind)[layer], getattr(padded.cache.shared, kind)[layer]
+            for g, plen in enumerate(np.asarray(padded.cache.shared.lengths)):
+                close(got[g, :, :plen], want[g, :, :plen])
