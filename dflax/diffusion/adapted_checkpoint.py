@@ -90,7 +90,9 @@ def _hf_name(path: tuple[str, ...]) -> str:
     return ".".join([head, *rest])
 
 
-def save_adapted_drafter(path: str | Path, config: AdaptedConfig, params: dict, dtype: str = "bfloat16") -> None:
+def save_adapted_drafter(
+    path: str | Path, config: AdaptedConfig, params: dict, dtype: str = "bfloat16"
+) -> None:
     """Writes config.json + model.safetensors of the drafter's own parameters {"params": ...}."""
     from safetensors.numpy import save_file
 
@@ -103,7 +105,9 @@ def save_adapted_drafter(path: str | Path, config: AdaptedConfig, params: dict, 
     (path / CONFIG).write_text(json.dumps(config_to_json(config), indent=2) + "\n")
 
 
-def load_adapted_drafter(path: str | Path, target, dtype: jnp.dtype | None = None) -> tuple[AdaptedDrafter, dict]:
+def load_adapted_drafter(
+    path: str | Path, target, dtype: jnp.dtype | None = None
+) -> tuple[AdaptedDrafter, dict]:
     """A drafter directory, bound to `target` (a `dflax.target.Target`) whose embedding and LM head it shares.
 
     Args:

@@ -88,7 +88,8 @@ class AdaptedConfig:
                     if getattr(mine, f) != getattr(theirs, f)]  # fmt: skip
         if problems:
             raise ValueError(
-                "this diffusion drafter was not adapted from this target: " + "; ".join(problems)
+                "this diffusion drafter was not adapted from this target: "
+                + "; ".join(problems)
                 + ". Use the drafter made for this target (`dflax train --config "
                 "configs/train/diffusion-smollm2.json` makes one)."
             )
@@ -103,7 +104,9 @@ class AdaptedLayers(nn.Module):
 
     def setup(self):
         cfg = self.config.layers
-        self.layers = [DecoderLayer(cfg, i, self.dtype, self.attention_backend) for i in range(cfg.num_layers)]
+        self.layers = [
+            DecoderLayer(cfg, i, self.dtype, self.attention_backend) for i in range(cfg.num_layers)
+        ]
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype)
         self.mask_embedding = self.param(
             "mask_embedding", nn.initializers.normal(0.02), (cfg.hidden_size,), self.dtype
@@ -151,7 +154,9 @@ def init_adapted_params(module: AdaptedLayers, seed: int = 0) -> dict:
     cfg = module.config.layers
     cache = KVCache.init(cfg, 1, 4, module.dtype)
     x = jnp.zeros((1, 2, cfg.hidden_size), module.dtype)
-    return module.init(jax.random.key(seed), x, jnp.zeros((1, 2), jnp.int32), cache, jnp.ones((1, 2, 2), bool))
+    return module.init(
+        jax.random.key(seed), x, jnp.zeros((1, 2), jnp.int32), cache, jnp.ones((1, 2, 2), bool)
+    )
 
 
 def shared_params(target_config: ModelConfig, target_params: dict) -> dict:
@@ -200,7 +205,9 @@ class AdaptedDrafter:
         t = tokens.shape[1]
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (tokens.shape[0], t, t))
         x = self.module.apply(params["drafter"], params["embedding"], tokens, method=AdaptedLayers.embed)
-        _, cache = self.module.apply(params["drafter"], x, positions, state, causal, write_cache=True, causal=True)
+        _, cache = self.module.apply(
+            params["drafter"], x, positions, state, causal, write_cache=True, causal=True
+        )
         return cache.replace(lengths=state.lengths + count.astype(jnp.int32))
 
     def block_hidden(self, params, state: KVCache, last_token, length, window) -> jax.Array:
@@ -215,7 +222,9 @@ class AdaptedDrafter:
 
     def readout(self, params, hidden: jax.Array) -> jax.Array:
         """Logits [..., V] float32 of hidden states [..., D] through the shared LM head (never the mask)."""
-        logits = jnp.einsum("...d,vd->...v", hidden, params["readout"].astype(hidden.dtype)).astype(jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", hidden, params["readout"].astype(hidden.dtype)).astype(
+            jnp.float32
+        )
         return logits.at[..., self.mask_token_id].set(NEG_INF)
 
     def window_logits(self, params, state: KVCache, last_token, length, window) -> jax.Array:

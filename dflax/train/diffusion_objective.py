@@ -92,7 +92,9 @@ def context_kv(drafter: AdaptedDrafter, params, tokens: jax.Array, lengths: jax.
     n, s = tokens.shape
     module = drafter.module
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (n, s))
-    mask = jnp.tril(jnp.ones((s, s), jnp.bool_))[None] & (jnp.arange(s)[None, None, :] < lengths[:, None, None])
+    mask = jnp.tril(jnp.ones((s, s), jnp.bool_))[None] & (
+        jnp.arange(s)[None, None, :] < lengths[:, None, None]
+    )
     cache = KVCache.init(module.config.layers, n, s, module.dtype)
     x = module.apply(params["drafter"], params["embedding"], tokens, method=AdaptedLayers.embed)  # [N, S, D]
     _, cache = module.apply(
@@ -101,7 +103,9 @@ def context_kv(drafter: AdaptedDrafter, params, tokens: jax.Array, lengths: jax.
     return cache.k, cache.v
 
 
-def window_hidden(drafter: AdaptedDrafter, params, tokens, lengths, windows: Windows, chunk: int) -> jax.Array:
+def window_hidden(
+    drafter: AdaptedDrafter, params, tokens, lengths, windows: Windows, chunk: int
+) -> jax.Array:
     """Hidden states [R, K + 1, D] of every window's block [last | inputs], all of a sequence's windows in
     one forward; block position k - 1 predicts slot k."""
     num_seqs = tokens.shape[0]

@@ -71,7 +71,9 @@ class DiffusionTrainConfig:
         if not self.source_layers:
             raise ValueError("training config: source_layers must name at least one target layer")
         if not 0.0 <= self.all_masked_frac <= 1.0:
-            raise ValueError(f"training config: all_masked_frac must be in [0, 1], got {self.all_masked_frac}")
+            raise ValueError(
+                f"training config: all_masked_frac must be in [0, 1], got {self.all_masked_frac}"
+            )
         if self.gamma <= 0:
             raise ValueError(f"training config: gamma must be > 0, got {self.gamma}")
         if self.max_seq_len < self.window + 2:

@@ -204,7 +204,9 @@ def train_diffusion(
     data = pad_sequences(train_sequences, config.max_seq_len)
     val = pad_sequences(val_sequences[: config.max_val_sequences], config.max_seq_len)
     if len(data) < config.batch_size:
-        raise ValueError(f"{len(data)} usable training sequences for batch_size {config.batch_size}; add data")
+        raise ValueError(
+            f"{len(data)} usable training sequences for batch_size {config.batch_size}; add data"
+        )
     total_steps = config.steps or config.epochs * (len(data) // config.batch_size)
     drafter_config = AdaptedConfig.for_target(target.config, config.source_layers, config.mask_token_id,
                                               config.window)  # fmt: skip
@@ -217,8 +219,10 @@ def train_diffusion(
         "validation": {"sequences": len(val), "response_tokens": response_tokens(val)},
         "unigram_token": unigram,
     }
-    console.print(f"{len(data)} training sequences, {len(val)} validation; {total_steps} steps of "
-                  f"{config.batch_size} sequences x {config.windows_per_seq} windows of {config.window}")  # fmt: skip
+    console.print(
+        f"{len(data)} training sequences, {len(val)} validation; {total_steps} steps of "
+        f"{config.batch_size} sequences x {config.windows_per_seq} windows of {config.window}"
+    )
     tx = make_optimizer(config, total_steps)
     loss_fn, eval_fn = loss_fns(drafter, config)
     train_step, _ = make_steps(loss_fn, tx)
@@ -231,7 +235,11 @@ def train_diffusion(
         shutil.rmtree(ckpt_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manager = _checkpoint_manager(ckpt_dir)
-    meta = {**{k: getattr(config, k) for k in _ORDER_FIELDS}, "num_train": len(data), "total_steps": total_steps}
+    meta = {
+        **{k: getattr(config, k) for k in _ORDER_FIELDS},
+        "num_train": len(data),
+        "total_steps": total_steps,
+    }
     meta["source_layers"] = list(config.source_layers)
     if manager.latest_step() is not None:
         state = _restore(manager, state, meta)
@@ -241,12 +249,13 @@ def train_diffusion(
 
     def save(step: int) -> None:
         if manager.latest_step() != step:
-            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                       meta=ocp.args.JsonSave(meta)))  # fmt: skip
+            args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+            manager.save(step, args=args)
 
     step = int(state.step)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)  # fmt: skip
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    columns += (TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+    progress = Progress(*columns, console=console)
     with _StopFlag() as stop, progress, (out_dir / METRICS).open("a") as log_file:
 
         def record(entry: dict) -> None:
@@ -259,7 +268,9 @@ def train_diffusion(
                 record({"step": at, **entry})
                 write_report(out_dir, config, data_info, total_steps)
                 acc = " ".join(f"{a:.2f}" for a in entry["val_acc"][:4])
-                console.print(f"step {at}: val loss {entry['val_loss']:.3f}, acc@1-4 {acc}, tau {entry['val_tau']:.2f}")
+                console.print(
+                    f"step {at}: val loss {entry['val_loss']:.3f}, acc@1-4 {acc}, tau {entry['val_tau']:.2f}"
+                )
 
         if step == 0:
             run_validation(0)  # the untrained drafter: one of the chance baselines

@@ -65,7 +65,9 @@ def _block_causal_logits(drafter, params, prefix, last, window, t=32):
     mask = np.where(i < n, j <= i, np.where(i < end, j < end, j <= i))
     module = drafter.module
     cache = KVCache.init(module.config.layers, 1, t, jnp.float32)
-    x = module.apply(params["drafter"], params["embedding"], jnp.asarray(tokens[None]), method=AdaptedLayers.embed)
+    x = module.apply(
+        params["drafter"], params["embedding"], jnp.asarray(tokens[None]), method=AdaptedLayers.embed
+    )
     hidden, _ = module.apply(params["drafter"], x, jnp.arange(t)[None], cache, jnp.asarray(mask[None]),
                              empty_cache=True)  # fmt: skip
     return drafter.readout(params, hidden[0, n : n + len(window)])  # [K, V]
