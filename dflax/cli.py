@@ -605,9 +605,12 @@ def train_command(
         "target whole or split over model; checkpoints resume on any mesh",
     ),
 ) -> None:
-    """Train a DFlash drafter on target-generated data; SIGTERM/Ctrl-C saves a checkpoint to resume from."""
+    """Train a drafter (DFlash, DART or an adapted diffusion drafter, by the recipe's method) on
+    target-generated data; SIGTERM/Ctrl-C saves a checkpoint to resume from."""
 
     from dflax.train.dataset import load_sequences
+    from dflax.train.diffusion_recipe import DiffusionTrainConfig, is_diffusion_recipe
+    from dflax.train.diffusion_trainer import train_diffusion
     from dflax.train.trainer import TrainConfig, train
 
     overrides = {"steps": steps} if steps is not None else {}
@@ -615,7 +618,13 @@ def train_command(
         overrides.update(init="drafter", init_from=init_from)
     if lr is not None:
         overrides["lr"] = lr
-    recipe = _read_recipe(TrainConfig, config, f"--config {config}", **overrides)
+    if is_diffusion_recipe(config):  # method "diffusion": an adapted diffusion drafter (DiffuSpec)
+        if init_from is not None:
+            _fail("--init-from is for DFlash recipes; a diffusion recipe starts from its source_layers")
+        recipe = _read_recipe(DiffusionTrainConfig, config, f"--config {config}", **overrides)
+        train = train_diffusion
+    else:
+        recipe = _read_recipe(TrainConfig, config, f"--config {config}", **overrides)
     try:
         train_seqs = load_sequences(data, "train")
     except FileNotFoundError as e:

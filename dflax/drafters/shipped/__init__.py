@@ -2,7 +2,8 @@
 
 Each directory is a DFlash checkpoint in the official layout (config.json + model.safetensors, bf16) with
 a TRAINING.json recording how it was made (data, recipe, steps, wall time). `dflax generate` and
-`load_drafter(SHIPPED, target)` use the one of the target's name.
+`load_drafter(SHIPPED, target)` use the one of the target's name. Adapted diffusion drafters for DiffuSpec
+(dflax.diffusion.adapted_checkpoint) live beside them, in `<target>-diffusion`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,17 @@ _HERE = Path(__file__).parent
 # target name -> directory of its shipped drafter
 SHIPPED_DRAFTERS = {"smollm2-135m": _HERE / "smollm2-135m"}
 
+# target name -> directory of its shipped adapted diffusion drafter (DiffuSpec)
+SHIPPED_DIFFUSION_DRAFTERS = {"smollm2-135m": _HERE / "smollm2-135m-diffusion"}
+
 
 def shipped_drafter_path(target_name: str) -> Path | None:
     """The directory of the drafter shipped for a built-in target, or None when there is none."""
     path = SHIPPED_DRAFTERS.get(target_name)
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
+def shipped_diffusion_drafter_path(target_name: str) -> Path | None:
+    """The directory of the diffusion drafter shipped for a built-in target, or None when there is none."""
+    path = SHIPPED_DIFFUSION_DRAFTERS.get(target_name)
     return path if path is not None and (path / "config.json").is_file() else None
