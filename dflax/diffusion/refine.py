@@ -34,6 +34,7 @@ def window_log_probs(
     length: jax.Array,
     window: int,
     steps: int,
+    vocab_size: int | None = None,
 ) -> jax.Array:
     """Per-slot log probabilities [B, K, V] of the window after `steps` refinement forwards.
 
@@ -45,21 +46,28 @@ def window_log_probs(
       length: [B] int32 committed tokens the state holds.
       window: K, slots drafted after the last token.
       steps: R >= 1 forwards (R <= K).
+      vocab_size: V, read only the first V logits (a padded vocabulary wider than the target's); None =
+        all of them.
 
     Returns:
       [B, K, V] float32 log probabilities; slots fixed by an earlier forward are one-hot (0 at their token,
       NEG_INF elsewhere).
     """
     b = last_token.shape[0]
+
+    def forward(tokens):  # [B, K] -> [B, K, V] log probabilities
+        logits = model.window_logits(params, state, last_token, length, tokens)[..., :vocab_size]
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
     tokens = jnp.full((b, window), model.mask_token_id, jnp.int32)  # [B, K]
     fixed = jnp.zeros((b, window), jnp.bool_)
     for count in unmask_counts(window, steps):
-        log_q = jax.nn.log_softmax(model.window_logits(params, state, last_token, length, tokens), axis=-1)
+        log_q = forward(tokens)
         confidence = jnp.where(fixed, -jnp.inf, jnp.max(log_q, axis=-1))  # [B, K]
         _, chosen = jax.lax.top_k(confidence, count)  # [B, count]
         newly = jnp.any(jax.nn.one_hot(chosen, window, dtype=jnp.bool_), axis=1)  # [B, K]
         tokens = jnp.where(newly, jnp.argmax(log_q, axis=-1).astype(jnp.int32), tokens)
         fixed |= newly
-    log_q = jax.nn.log_softmax(model.window_logits(params, state, last_token, length, tokens), axis=-1)
+    log_q = forward(tokens)
     one_hot = jnp.where(jnp.arange(log_q.shape[-1]) == tokens[..., None], 0.0, NEG_INF)  # [B, K, V]
     return jnp.where(fixed[..., None], one_hot, log_q).astype(jnp.float32)

@@ -83,6 +83,8 @@ class DiffuSpecProposer:
       adl: the ADL controller's settings, or None for a fixed k = window.
       lattice_mass, lattice_max_set: the lattice's top-set rule.
       beam_width, ngram_weight: CPS's beam width and n-gram weight.
+      vocab_size: drafts are ids below this (the target's vocabulary; a diffusion LM with a padded, wider
+        vocabulary drafts from its first `vocab_size` logits); None = the diffusion LM's.
     """
 
     model: DiffusionLM
@@ -94,6 +96,7 @@ class DiffuSpecProposer:
     lattice_max_set: int = LATTICE_MAX_SET
     beam_width: int = CPS_BEAM_WIDTH
     ngram_weight: float = CPS_NGRAM_WEIGHT
+    vocab_size: int | None = None
     tap_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -154,7 +157,14 @@ class DiffuSpecProposer:
         ds: DiffuSpecState = state.drafter_state
         length = state.cache.positions  # [B] committed tokens held; the last token sits at `length`
         log_q = window_log_probs(
-            self.model, params.model, ds.model, state.last_token, length, self.window, self.refine_steps
+            self.model,
+            params.model,
+            ds.model,
+            state.last_token,
+            length,
+            self.window,
+            self.refine_steps,
+            self.vocab_size,
         )  # [B, K, V]
         if self.cps:
             lattice = token_lattice(log_q, state.eos_ids, self.lattice_mass, self.lattice_max_set)
@@ -188,6 +198,13 @@ class DiffuSpecDrafter:
     params: DiffuSpecParams
     proposer: DiffuSpecProposer
 
+    def with_settings(self, window: int, adl_bounds: tuple[int, int] | None, cps: bool) -> DiffuSpecDrafter:
+        """The same diffusion LM drafting a window of `window` slots, ADL within `adl_bounds` (None: k =
+        window), with or without CPS."""
+        adl = AdlSettings(*adl_bounds) if adl_bounds else None
+        proposer = dataclasses.replace(self.proposer, window=window, adl=adl, cps=cps)
+        return dataclasses.replace(self, proposer=proposer)
+
     def with_tree_budget(self, tree_budget: int) -> DiffuSpecDrafter:
         """DiffuSpec verifies one chain: only 0 (a chain) is accepted."""
         if tree_budget:
@@ -208,6 +225,7 @@ def diffuspec(
     adl_min: int = ADL_MIN,
     adl_max: int | None = None,
     ngram: tuple[NgramTable, ...] = (),
+    vocab_size: int | None = None,
     name: str = "diffuspec",
 ) -> DiffuSpecDrafter:
     """A DiffuSpec drafter from a diffusion LM and its parameters.
@@ -223,6 +241,8 @@ def diffuspec(
       adl_max: ADL's upper clip bound (published 30; default and at most the window).
       ngram: corpus n-gram tables (orders 2 and 3, dflax.drafters.ngram) for CPS's prior, besides the
         row's own text.
+      vocab_size: the target's vocabulary size when the diffusion LM's is wider (padded); drafts stay
+        below it. None = the diffusion LM's own.
       name: how results name the drafter.
 
     Raises:
@@ -235,5 +255,5 @@ def diffuspec(
     priors = tuple(NgramPrior.from_table(t) for t in sorted(ngram, key=lambda t: -t.order))
     k_max = window if adl_max is None else adl_max
     settings = AdlSettings(min(adl_min, k_max), k_max) if adl else None
-    proposer = DiffuSpecProposer(model, window, refine_steps, cps, settings)
+    proposer = DiffuSpecProposer(model, window, refine_steps, cps, settings, vocab_size=vocab_size)
     return DiffuSpecDrafter(name, DiffuSpecParams(params, priors), proposer)

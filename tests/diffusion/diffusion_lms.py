@@ -1,7 +1,8 @@
 """Test-only `DiffusionLM`s: any implementation of the protocol plugs into DiffuSpec.
 
 - `TableDiffusionLM`: random logits, a fixed function of the last committed token, the slot and the
-  window's already fixed tokens (so refinement steps change what later forwards see). Stateless.
+  window's already fixed tokens (so refinement steps change what later forwards see). Stateless; any
+  window up to the table's.
 - `OracleDiffusionLM`: its parameters are each row's text by position (prompt + the target's greedy
   output); slot j scores the token at position length + 1 + j with `true_logit`, and the next token id
   with `decoy_logit` (so the lattice holds two members when the logits are soft). `wrong_slot` puts the
@@ -39,9 +40,10 @@ class TableDiffusionLM:
         return None
 
     def window_logits(self, params, state, last_token, length, window):
-        logits = params[last_token]  # [B, K, V]
+        k = window.shape[1]  # at most the table's window
+        logits = params[last_token][:, :k]  # [B, K, V]
         fixed = window != self.mask_token_id  # [B, K]
-        extra = jnp.where(fixed[..., None, None], params[window], 0.0).sum(axis=1)  # [B, K, V]
+        extra = jnp.where(fixed[..., None, None], params[window][:, :, :k], 0.0).sum(axis=1)  # [B, K, V]
         return (logits + 0.5 * extra).astype(jnp.float32)
 
 
