@@ -7,14 +7,16 @@ from __future__ import annotations
 import itertools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from diffusion_lms import TableDiffusionLM
 
 from dflax.diffusion.adl import AdlSettings, AdlState, next_draft_length, update
 from dflax.diffusion.cps import cps_path, history_trigram
 from dflax.diffusion.lattice import token_lattice
-from dflax.diffusion.refine import unmask_counts
+from dflax.diffusion.refine import unmask_counts, window_log_probs
 from dflax.drafters.dart_tree import UNSEEN
 from dflax.drafters.diffuspec_proposer import NO_DRAFT_AFTER_EOS, NO_DRAFT_PAST_K, mark_unusable
 
@@ -231,3 +233,34 @@ def test_markers_stop_at_k_and_after_the_first_eos():
     marked = mark_unusable(drafts, jnp.asarray([3, 5, 4]), jnp.asarray([EOS]))
     x, e = NO_DRAFT_PAST_K, NO_DRAFT_AFTER_EOS
     assert marked.tolist() == [[1, 2, 3, x, x], [1, EOS, e, e, e], [1, 2, 3, EOS, e]]
+
+
+def test_refinement_fixes_the_most_confident_slots_then_scores_the_rest():
+    model = TableDiffusionLM(12, window=4)
+    params = model.make_params(5, 2.0)
+    last, length = jnp.asarray([3, 7]), jnp.asarray([5, 9])
+    got = window_log_probs(model, params, None, last, length, window=4, steps=2)
+    masks = jnp.zeros((2, 4), jnp.int32)  # mask_token_id 0
+    first = jax.nn.log_softmax(model.window_logits(params, None, last, length, masks), axis=-1)
+    for b in range(2):
+        confident = np.argsort(-np.asarray(first[b].max(axis=-1)), kind="stable")[:2]  # unmask_counts(4, 2)
+        window = np.zeros(4, np.int32)
+        window[confident] = np.asarray(first[b].argmax(axis=-1))[confident]
+        second = jax.nn.log_softmax(
+            model.window_logits(params, None, last[b : b + 1], length[b : b + 1], jnp.asarray(window[None])),
+            -1,
+        )[0]
+        for j in range(4):
+            if j in confident:
+                assert int(jnp.argmax(got[b, j])) == window[j] and float(got[b, j, window[j]]) == 0.0
+                assert float(jnp.sort(got[b, j])[-2]) < -1e29  # one-hot
+            else:
+                np.testing.assert_allclose(got[b, j], second[j], rtol=1e-5, atol=1e-5)
+
+
+def test_a_wider_diffusion_vocabulary_drafts_only_target_ids():
+    model = TableDiffusionLM(12, window=3)
+    params = model.make_params(6, 2.0).at[..., 10:].add(50.0)  # ids 10, 11 would win everywhere
+    got = window_log_probs(model, params, None, jnp.asarray([1]), jnp.asarray([4]), 3, 1, vocab_size=10)
+    assert got.shape == (1, 3, 10)
+    np.testing.assert_allclose(jnp.exp(got).sum(-1), 1.0, rtol=1e-5)
