@@ -28,7 +28,7 @@ from dflax.prompts import load_prompts, with_system_prompt
 from dflax.roofline import measure_roofline, step_floor_s
 from dflax.target import Target, load_target
 
-BENCH_METHODS = ("ar", "dflash", "dart", "lookup", "hf")
+BENCH_METHODS = ("ar", "dflash", "dart", "lookup", "diffuspec", "hf")
 AUTO = "auto"  # a block size chosen by the cost model (dflax.decoding.block_size)
 
 
@@ -334,6 +334,25 @@ def _with_refills(runners: dict, settings: dict, refill_every: list[int], mesh: 
     return out
 
 
+def _diffuspec_runs(drafter, target: Target, windows, refine_steps: int, cps_modes):
+    """(name, DiffuSpec drafter, settings) per --window setting and CPS mode, the diffusion LM loaded once."""
+    from dflax.drafters.diffuspec_loader import WindowSetting, load_diffuspec
+
+    if drafter is None:
+        raise ValueError("--method diffuspec needs --drafter: a masked diffusion LM directory")
+    parsed = [WindowSetting.parse(w) for w in windows or ["auto"]]
+    base = load_diffuspec(drafter, target, parsed[0], refine_steps, True)
+    runs = []
+    for setting in parsed:
+        for cps in cps_modes or [True]:
+            name = "diffuspec" + (f"-w{setting.label}" if len(parsed) > 1 else "") + ("" if cps else "-nocps")
+            bounds = setting.adl_bounds
+            drafter_at = base.with_settings(setting.window, bounds, cps)
+            info = {"block_size": None, "tree_budget": 0, "window": setting.label, "cps": cps}
+            runs.append((name, drafter_at, {**info, "refine_steps": refine_steps}))
+    return runs
+
+
 def run_bench(
     *,
     prompts: str,
@@ -355,6 +374,9 @@ def run_bench(
     refill_every: list[int] | None = None,
     shared_prefix: list[str] | None = None,
     system_prompt: str | None = None,
+    diffuspec_windows: list[str] | None = None,
+    refine_steps: int = 1,
+    cps_modes: list[bool] | None = None,
 ) -> dict[str, Any]:
     """Benchmarks methods back to back on the same prompts and target.
 
@@ -389,6 +411,10 @@ def run_bench(
       shared_prefix: modes to run dflax's methods in ("none", "auto"; default ["none"]); with "auto" a
         method runs with shared prefixes too, reported as "{method}-shared" (compared with ar as usual).
       system_prompt: a system message put in front of every prompt (each becomes a chat).
+      diffuspec_windows: "diffuspec" runs once per --window setting ("auto", "MIN:MAX" or "K"; default
+        auto) and CPS mode (`cps_modes`, default [True]), with `refine_steps` forwards per draft; reported as
+        "diffuspec", "-w{setting}" added with several windows, "-nocps" without CPS. `drafter` is then the
+        diffusion LM directory (dflash uses the shipped drafter unless `drafter` is a DFlash directory).
 
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
@@ -426,6 +452,13 @@ def run_bench(
             runners[method] = _run_hf if method == "hf" else _run_dflax
             settings[method] = {"block_size": None, "tree_budget": None}
             continue
+        if method == "diffuspec":
+            for name, diffuspec, setting in _diffuspec_runs(
+                drafter, loaded, diffuspec_windows, refine_steps, cps_modes
+            ):
+                runners[name] = functools.partial(_run_dflax, drafter=diffuspec)
+                settings[name] = setting
+            continue
         from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
         from dflax.drafters.dart_checkpoint import is_dart_dir
         from dflax.drafters.dart_loader import DART_TREE_BUDGET, load_dart
@@ -451,8 +484,10 @@ def run_bench(
             if AUTO in method_sizes:
                 raise ValueError("--block-size auto needs a drafter's measured acceptance; lookup has none")
         else:
-            dart_dir = drafter is not None and is_dart_dir(Path(drafter))
-            dflash_dir = None if dart_dir else drafter
+            from dflax.drafters.diffuspec_loader import is_diffusion_lm_dir
+
+            other_dir = drafter is not None and (is_dart_dir(Path(drafter)) or is_diffusion_lm_dir(drafter))
+            dflash_dir = None if other_dir else drafter
             spec = load_drafter(dflash_dir or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
             method_drafter = spec
             chains = not any(tree_budgets or [0])

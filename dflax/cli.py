@@ -33,10 +33,11 @@ def _process_settings() -> None:
 console = Console(stderr=True)
 
 _TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"
-_METHODS = ("ar", "dflash", "dart", "lookup")
+_METHODS = ("ar", "dflash", "dart", "lookup", "diffuspec")
 _DRAFTER_HELP = (
     "DFlash drafter directory (official z-lab/dflash layout) or, with --method dart, a DART drafter "
-    "directory; 'untrained' (random, for tests); default (dflash): the drafter dflax ships for the target"
+    "directory, or with --method diffuspec, a masked diffusion LM directory; 'untrained' (random, for "
+    "tests); default (dflash): the drafter dflax ships for the target"
 )
 
 
@@ -128,6 +129,50 @@ def _load_drafter(
         return loaded_drafter.with_tree_budget(tree_budget) if tree_budget else loaded_drafter
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+
+
+_WINDOW_HELP = (
+    "diffuspec: auto (adaptive draft length k in [20, 30], a window of 30 verified per step), MIN:MAX "
+    "(adaptive k in those bounds) or K (a fixed k); default auto"
+)
+_REFINE_HELP = "diffuspec: diffusion forwards per draft (1 as published)"
+_CPS_HELP = "diffuspec: causal-consistency path search over the lattice (--no-cps: each slot's argmax)"
+_DIFFUSPEC_DRAFTER = (
+    "--method diffuspec needs --drafter DIR: a masked diffusion LM directory sharing the target's tokenizer "
+    "(a Dream or LLaDA checkpoint, or a diffusion drafter adapted from the target)"
+)
+
+
+def _load_diffuspec(
+    drafter: str | None,
+    loaded,
+    window: str | None,
+    refine_steps: int,
+    cps: bool,
+    block_size: str | None,
+    tree_budget: int | None,
+    draft_sampling: str,
+):
+    """The DiffuSpec drafter of --method diffuspec, with one clear error for bad input."""
+    from dflax.drafters.diffuspec_loader import WindowSetting, load_diffuspec
+
+    if block_size or tree_budget or draft_sampling != "greedy":
+        _fail(
+            "--method diffuspec drafts one chain of --window slots greedily: drop --block-size, "
+            "--tree-budget and --draft-sampling"
+        )
+    if drafter is None:
+        _fail(_DIFFUSPEC_DRAFTER)
+    try:
+        return load_diffuspec(drafter, loaded, WindowSetting.parse(window or "auto"), refine_steps, cps)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+
+
+def _check_diffuspec_options(methods, window: str | None, refine_steps: int, cps) -> None:
+    """--window, --refine-steps and --no-cps only with --method diffuspec."""
+    if "diffuspec" not in methods and (window is not None or refine_steps != 1 or cps not in (True, "on")):
+        _fail("--window, --refine-steps and --no-cps / --cps apply to --method diffuspec")
 
 
 def _block_size_value(text: str) -> int | str:
@@ -230,9 +275,13 @@ def generate(
         "ar",
         help="ar (plain autoregressive), dflash (speculative, lossless; the drafter dflax ships for the "
         "target unless --drafter is given), dart (speculative, lossless: DART trees from --drafter DIR) or "
-        "lookup (prompt lookup: drafts copied from the prompt and output, lossless, no drafter)",
+        "lookup (prompt lookup: drafts copied from the prompt and output, lossless, no drafter) or "
+        "diffuspec (a masked diffusion LM from --drafter DIR drafts a window, CPS + ADL, lossless)",
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
+    window: str = typer.Option(None, help=_WINDOW_HELP),
+    refine_steps: int = typer.Option(1, help=_REFINE_HELP),
+    cps: bool = typer.Option(True, "--cps/--no-cps", help=_CPS_HELP),
     block_size: str = typer.Option(
         None,
         help="block size B (anchor + B-1 drafts) or auto (DFlash: the cost model's pick of a chain, or of a "
@@ -300,6 +349,7 @@ def generate(
     )
 
     _check_method(method)
+    _check_diffuspec_options([method], window, refine_steps, cps)
     if shared_prefix not in ("auto", "none"):
         _fail(f"--shared-prefix must be auto or none, got {shared_prefix!r}")
     if num_samples < 1:
@@ -361,9 +411,13 @@ def generate(
 
     fixed_block = _block_size_value(block_size) if block_size else None
     loaded = _load(target, dtype, mesh)
-    spec_drafter = _load_drafter(
-        method, drafter, loaded, fixed_block if fixed_block != "auto" else None, draft_sampling, tree_budget
-    )
+    if method == "diffuspec":
+        spec_drafter = _load_diffuspec(
+            drafter, loaded, window, refine_steps, cps, block_size, tree_budget, draft_sampling
+        )
+    else:
+        fixed = fixed_block if fixed_block != "auto" else None
+        spec_drafter = _load_drafter(method, drafter, loaded, fixed, draft_sampling, tree_budget)
     chains = method == "dflash" and not tree_budget
     if fixed_block == "auto" and not chains:
         _fail("--block-size auto chooses DFlash chains; give --block-size B with lookup or --tree-budget")
@@ -443,9 +497,14 @@ def bench(
     method: str = typer.Option(
         "ar",
         help="comma-separated: ar (plain decoding), dflash (shipped or --drafter), dart (--drafter DART "
-        "directory), lookup (prompt lookup), hf (transformers)",
+        "directory), lookup (prompt lookup), diffuspec (--drafter diffusion LM directory), hf (transformers)",
     ),
     drafter: str = typer.Option(None, help=_DRAFTER_HELP),
+    window: str = typer.Option(None, help=_WINDOW_HELP + "; several (auto,16: one diffuspec run each)"),
+    refine_steps: int = typer.Option(1, help=_REFINE_HELP),
+    cps: str = typer.Option(
+        "on", help="diffuspec: CPS on, off, or on,off (one run each; off: each slot's argmax)"
+    ),
     block_size: str = typer.Option(
         None,
         help="block size B, auto, or several (8,16,auto: one run each of dflash and lookup; auto is "
@@ -492,6 +551,12 @@ def bench(
     for m in methods:
         if m not in BENCH_METHODS:
             _fail(f"unknown bench method {m!r}; available: {', '.join(BENCH_METHODS)}")
+    _check_diffuspec_options(methods, window, refine_steps, cps)
+    cps_modes = [c.strip() for c in cps.split(",")]
+    if not cps_modes or any(c not in ("on", "off") for c in cps_modes):
+        _fail(f"--cps {cps!r}: give on, off or on,off")
+    if "diffuspec" in methods and drafter is None:
+        _fail(_DIFFUSPEC_DRAFTER)
     try:
         batch_sizes = [int(b) for b in batch_size.split(",")]
     except ValueError:
@@ -540,6 +605,9 @@ def bench(
             refill_every=refills,
             shared_prefix=shared_modes,
             system_prompt=system,
+            diffuspec_windows=[w.strip() for w in (window or "auto").split(",")],
+            refine_steps=refine_steps,
+            cps_modes=[c == "on" for c in cps_modes],
         )
     except (ValueError, ImportError, FileNotFoundError) as e:
         _fail(str(e))

@@ -92,7 +92,7 @@ def exact_joint(toy: ToyTarget, probs_of) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _generate(module, proposer, params, sampling, row_keys):
+def _generate(module, proposer, params, sampling, row_keys, drafter_params=None):
     """NUM_ROWS continuations of PROMPT by prefill + decode_loop: tokens [N, NUM_NEW], accept_hist."""
     prompt = jnp.broadcast_to(jnp.asarray(PROMPT, jnp.int32), (NUM_ROWS, len(PROMPT)))
     slots = max(16, len(PROMPT) + NUM_NEW + proposer.num_draft + 1)  # room for a verify of every draft
@@ -107,17 +107,22 @@ def _generate(module, proposer, params, sampling, row_keys):
         row_keys,
         jnp.asarray([-1], jnp.int32),  # no EOS
         sampling,
+        drafter_params,
         max_tokens=NUM_NEW,
         proposer=proposer,
     )
-    state = decode_loop(module, params, state, sampling, None, proposer)
+    state = decode_loop(module, params, state, sampling, drafter_params, proposer)
     return state.tokens[:, :NUM_NEW], state.accept_hist
 
 
-def sample_outcomes(toy: ToyTarget, proposer, settings: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Counts [V ** NUM_NEW] of generated continuations, and the accept histogram summed over rows."""
+def sample_outcomes(
+    toy: ToyTarget, proposer, settings: dict, drafter_params=None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Counts [V ** NUM_NEW] of generated continuations, and the accept histogram summed over rows
+    (`drafter_params`: the proposer's parameters, None for proposers without any)."""
     row_keys = jax.vmap(jax.random.key)(jnp.arange(NUM_ROWS, dtype=jnp.uint32))
-    tokens, hist = _generate(toy.module, proposer, toy.params, SamplingParams.make(**settings), row_keys)
+    sampling = SamplingParams.make(**settings)
+    tokens, hist = _generate(toy.module, proposer, toy.params, sampling, row_keys, drafter_params)
     index = (np.asarray(tokens) * VOCAB ** np.arange(NUM_NEW - 1, -1, -1)).sum(axis=1)
     return np.bincount(index, minlength=OUTCOMES).astype(np.float64), np.asarray(hist).sum(axis=0)
 

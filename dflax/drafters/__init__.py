@@ -1,6 +1,7 @@
-"""Drafters: DFlash (block diffusion with KV injection), DART (parallel logits + n-gram-pruned trees) and
-prompt lookup. `load_drafter` returns a DFlash or DART drafter ready for `generate` (by what its directory
-holds), `load_dart` a DART one ("untrained" included), `prompt_lookup` a prompt-lookup one."""
+"""Drafters: DFlash (block diffusion with KV injection), DART (parallel logits + n-gram-pruned trees),
+DiffuSpec (a masked diffusion LM, CPS and ADL) and prompt lookup. `load_drafter` returns a DFlash or DART
+drafter ready for `generate` (by what its directory holds), `load_dart` a DART one ("untrained" included),
+`diffuspec` a DiffuSpec one from a diffusion LM, `prompt_lookup` a prompt-lookup one."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dflax.drafters.dflash import (
     DraftSampling,
     init_drafter_params,
 )
+from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, diffuspec
 from dflax.drafters.lookup import LookupDrafter, prompt_lookup
 from dflax.drafters.shipped import SHIPPED_DRAFTERS, shipped_drafter_path
 from dflax.sharding import ShardingRules
@@ -158,9 +160,11 @@ __all__ = [
     "SHIPPED",
     "DFlashConfig",
     "DartDrafterBound",
+    "DiffuSpecDrafter",
     "DraftSampling",
     "Drafter",
     "LookupDrafter",
+    "diffuspec",
     "init_drafter_params",
     "load_dart",
     "load_drafter",

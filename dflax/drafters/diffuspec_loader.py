@@ -1,0 +1,128 @@
+"""A DiffuSpec drafter from a diffusion LM directory, for `--method diffuspec --drafter DIR`.
+
+`LOADERS` is the hook: (matches, load) pairs tried in order, `matches(path) -> bool` saying whether a
+directory is one the loader reads, `load(path, dtype) -> (DiffusionLM, params)`. Whatever diffusion LM
+dflax can load (Dream and LLaDA checkpoints, the drafter adapted from a target) is added here as one pair.
+A directory may also hold corpus n-gram counts for CPS, `ngram-3.npz` / `ngram-2.npz`
+(dflax.drafters.ngram, as a DART drafter directory does).
+
+`--window` takes `auto` (ADL with the published bounds [20, 30], a static window of 30), `MIN:MAX` (ADL
+with those bounds, a window of MAX) or `K` (ADL off: k = K every step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflax.diffusion.adl import ADL_MAX, ADL_MIN
+from dflax.diffusion.protocol import DiffusionLM
+from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, diffuspec
+from dflax.drafters.ngram import load_ngram_table
+from dflax.target import Target
+
+# (matches(path), load(path, dtype) -> (DiffusionLM, params)), tried in order.
+LOADERS: list[tuple[Callable[[Path], bool], Callable[[Path, Any], tuple[DiffusionLM, Any]]]] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowSetting:
+    """A parsed --window: the static window verified per step and ADL's bounds (None: ADL off).
+
+    Attributes:
+      window: K, slots drafted and verified per step.
+      adl_bounds: ADL's (k_min, k_max), or None for a fixed k = K.
+      label: the setting as given (auto, MIN:MAX or K); bench names runs by it.
+    """
+
+    window: int
+    adl_bounds: tuple[int, int] | None
+    label: str
+
+    @classmethod
+    def parse(cls, text: str) -> WindowSetting:
+        """`auto`, `MIN:MAX` or `K` (see the module docstring).
+
+        Raises:
+          ValueError: for anything else, naming the accepted forms.
+        """
+        text = str(text).strip()
+        try:
+            if text == "auto":
+                return cls(ADL_MAX, (ADL_MIN, ADL_MAX), text)
+            if ":" in text:
+                low, high = (int(x) for x in text.split(":"))
+                if 1 <= low <= high:
+                    return cls(high, (low, high), text)
+            elif int(text) >= 1:
+                return cls(int(text), None, text)
+        except ValueError:
+            pass
+        raise ValueError(
+            f"--window {text!r}: give auto (adaptive k in [{ADL_MIN}, {ADL_MAX}]), MIN:MAX (adaptive k in "
+            "those bounds, e.g. 8:16) or K (a fixed k, e.g. 16)"
+        )
+
+
+def is_diffusion_lm_dir(path: str | Path) -> bool:
+    """Whether one of the registered loaders reads this directory."""
+    path = Path(path).expanduser()
+    return path.is_dir() and any(matches(path) for matches, _ in LOADERS)
+
+
+def load_diffusion_lm_dir(path: str | Path, dtype: Any) -> tuple[DiffusionLM, Any]:
+    """The diffusion LM and its parameters from the first registered loader that reads `path`.
+
+    Raises:
+      FileNotFoundError: for a missing directory.
+      ValueError: when no loader reads it.
+    """
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"diffusion LM directory {str(path)!r} not found: give --drafter DIR")
+    for matches, load in LOADERS:
+        if matches(path):
+            return load(path, dtype)
+    raise ValueError(
+        f"no diffusion LM loader matched {path}: --method diffuspec needs a masked diffusion LM directory "
+        "that shares the target's tokenizer (a Dream or LLaDA checkpoint, or a diffusion drafter dflax "
+        "adapted from the target), and this dflax has no loader that reads this one"
+    )
+
+
+def load_diffuspec(
+    path: str | Path,
+    target: Target,
+    window: WindowSetting = WindowSetting.parse("auto"),
+    refine_steps: int = 1,
+    cps: bool = True,
+) -> DiffuSpecDrafter:
+    """A DiffuSpec drafter for `target` from a diffusion LM directory (and its n-gram counts, if any).
+
+    Raises:
+      FileNotFoundError / ValueError: for a missing directory, one no loader reads, a target on a mesh, or
+        bad settings.
+    """
+    if target.mesh is not None:
+        raise ValueError(
+            "DiffuSpec does not run on a device mesh yet: load the target without --mesh (one device)"
+        )
+    model, params = load_diffusion_lm_dir(path, target.dtype)
+    path = Path(path).expanduser()
+    tables = sorted(path.glob("ngram-*.npz"), key=lambda p: -int(p.stem.split("-")[1]))
+    low, high = window.adl_bounds or (window.window, window.window)
+    return diffuspec(
+        model,
+        params,
+        window=window.window,
+        refine_steps=refine_steps,
+        cps=cps,
+        adl=window.adl_bounds is not None,
+        adl_min=low,
+        adl_max=high,
+        ngram=tuple(load_ngram_table(t) for t in tables),
+        vocab_size=target.config.vocab_size,
+        name=str(path),
+    )
