@@ -338,8 +338,6 @@ def _diffuspec_runs(drafter, target: Target, windows, refine_steps: int, cps_mod
     """(name, DiffuSpec drafter, settings) per --window setting and CPS mode, the diffusion LM loaded once."""
     from dflax.drafters.diffuspec_loader import WindowSetting, load_diffuspec
 
-    if drafter is None:
-        raise ValueError("--method diffuspec needs --drafter: a masked diffusion LM directory")
     parsed = [WindowSetting.parse(w) for w in windows or ["auto"]]
     base = load_diffuspec(drafter, target, parsed[0], refine_steps, True)
     runs = []

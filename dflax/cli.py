@@ -137,10 +137,6 @@ _WINDOW_HELP = (
 )
 _REFINE_HELP = "diffuspec: diffusion forwards per draft (1 as published)"
 _CPS_HELP = "diffuspec: causal-consistency path search over the lattice (--no-cps: each slot's argmax)"
-_DIFFUSPEC_DRAFTER = (
-    "--method diffuspec needs --drafter DIR: a masked diffusion LM directory sharing the target's tokenizer "
-    "(a Dream or LLaDA checkpoint, or a diffusion drafter adapted from the target)"
-)
 
 
 def _load_diffuspec(
@@ -161,8 +157,6 @@ def _load_diffuspec(
             "--method diffuspec drafts one chain of --window slots greedily: drop --block-size, "
             "--tree-budget and --draft-sampling"
         )
-    if drafter is None:
-        _fail(_DIFFUSPEC_DRAFTER)
     try:
         return load_diffuspec(drafter, loaded, WindowSetting.parse(window or "auto"), refine_steps, cps)
     except (ValueError, FileNotFoundError) as e:
@@ -555,8 +549,6 @@ def bench(
     cps_modes = [c.strip() for c in cps.split(",")]
     if not cps_modes or any(c not in ("on", "off") for c in cps_modes):
         _fail(f"--cps {cps!r}: give on, off or on,off")
-    if "diffuspec" in methods and drafter is None:
-        _fail(_DIFFUSPEC_DRAFTER)
     try:
         batch_sizes = [int(b) for b in batch_size.split(",")]
     except ValueError:

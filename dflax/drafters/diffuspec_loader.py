@@ -1,8 +1,10 @@
 """A DiffuSpec drafter from a diffusion LM directory, for `--method diffuspec --drafter DIR`.
 
-`LOADERS` is the hook: (matches, load) pairs tried in order, `matches(path) -> bool` saying whether a
-directory is one the loader reads, `load(path, dtype) -> (DiffusionLM, params)`. Whatever diffusion LM
-dflax can load (Dream and LLaDA checkpoints, the drafter adapted from a target) is added here as one pair.
+`LOADERS` holds (matches, load) pairs tried in order, `matches(path) -> bool` saying whether a directory
+is one the loader reads, `load(path, target) -> (DiffusionLM, params)`: Dream and LLaDA checkpoints
+(dflax.diffusion.loader) and the drafter adapted from a target (dflax.diffusion.adapted_checkpoint, which
+shares the target's embedding and LM head). Without a directory, the diffusion drafter dflax ships for the
+target is used (`shipped_diffusion_drafter_path`).
 A directory may also hold corpus n-gram counts for CPS, `ngram-3.npz` / `ngram-2.npz`
 (dflax.drafters.ngram, as a DART drafter directory does).
 
@@ -17,14 +19,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dflax.diffusion import loader as checkpoints
+from dflax.diffusion.adapted_checkpoint import is_adapted_drafter_dir, load_adapted_drafter
 from dflax.diffusion.adl import ADL_MAX, ADL_MIN
 from dflax.diffusion.protocol import DiffusionLM
 from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, diffuspec
 from dflax.drafters.ngram import load_ngram_table
+from dflax.drafters.shipped import shipped_diffusion_drafter_path
 from dflax.target import Target
 
-# (matches(path), load(path, dtype) -> (DiffusionLM, params)), tried in order.
-LOADERS: list[tuple[Callable[[Path], bool], Callable[[Path, Any], tuple[DiffusionLM, Any]]]] = []
+# (matches(path), load(path, target) -> (DiffusionLM, params)), tried in order.
+LOADERS: list[tuple[Callable[[Path], bool], Callable[[Path, Target], tuple[DiffusionLM, Any]]]] = [
+    (is_adapted_drafter_dir, load_adapted_drafter),
+    (checkpoints.is_diffusion_lm_dir, lambda path, target: checkpoints.load_diffusion_lm(path, target.dtype)),
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +80,7 @@ def is_diffusion_lm_dir(path: str | Path) -> bool:
     return path.is_dir() and any(matches(path) for matches, _ in LOADERS)
 
 
-def load_diffusion_lm_dir(path: str | Path, dtype: Any) -> tuple[DiffusionLM, Any]:
+def load_diffusion_lm_dir(path: str | Path, target: Target) -> tuple[DiffusionLM, Any]:
     """The diffusion LM and its parameters from the first registered loader that reads `path`.
 
     Raises:
@@ -84,7 +92,7 @@ def load_diffusion_lm_dir(path: str | Path, dtype: Any) -> tuple[DiffusionLM, An
         raise FileNotFoundError(f"diffusion LM directory {str(path)!r} not found: give --drafter DIR")
     for matches, load in LOADERS:
         if matches(path):
-            return load(path, dtype)
+            return load(path, target)
     raise ValueError(
         f"no diffusion LM loader matched {path}: --method diffuspec needs a masked diffusion LM directory "
         "that shares the target's tokenizer (a Dream or LLaDA checkpoint, or a diffusion drafter dflax "
@@ -93,23 +101,32 @@ def load_diffusion_lm_dir(path: str | Path, dtype: Any) -> tuple[DiffusionLM, An
 
 
 def load_diffuspec(
-    path: str | Path,
+    path: str | Path | None,
     target: Target,
     window: WindowSetting = WindowSetting.parse("auto"),
     refine_steps: int = 1,
     cps: bool = True,
 ) -> DiffuSpecDrafter:
-    """A DiffuSpec drafter for `target` from a diffusion LM directory (and its n-gram counts, if any).
+    """A DiffuSpec drafter for `target` from a diffusion LM directory (and its n-gram counts, if any), or
+    with `path` None from the diffusion drafter dflax ships for the target.
 
     Raises:
-      FileNotFoundError / ValueError: for a missing directory, one no loader reads, a target on a mesh, or
-        bad settings.
+      FileNotFoundError / ValueError: for a missing directory, no shipped drafter, one no loader reads, a
+        target on a mesh, or bad settings.
     """
+    if path is None:
+        path = shipped_diffusion_drafter_path(target.name)
+        if path is None:
+            raise FileNotFoundError(
+                f"dflax ships no diffusion drafter for target {target.name!r}: give --drafter DIR, a masked "
+                "diffusion LM directory sharing the target's tokenizer (a Dream or LLaDA checkpoint, or a "
+                "drafter made by `dflax train --config configs/train/diffusion-smollm2.json`)"
+            )
     if target.mesh is not None:
         raise ValueError(
             "DiffuSpec does not run on a device mesh yet: load the target without --mesh (one device)"
         )
-    model, params = load_diffusion_lm_dir(path, target.dtype)
+    model, params = load_diffusion_lm_dir(path, target)
     path = Path(path).expanduser()
     tables = sorted(path.glob("ngram-*.npz"), key=lambda p: -int(p.stem.split("-")[1]))
     low, high = window.adl_bounds or (window.window, window.window)

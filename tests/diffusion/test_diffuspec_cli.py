@@ -36,7 +36,7 @@ def table_loader(monkeypatch, tmp_path):
     directory.mkdir()
     np.save(directory / "table-dlm.npy", np.asarray(model.make_params(0, 3.0)))
 
-    def load(path, dtype):
+    def load(path, target):
         return model, jnp.asarray(np.load(path / "table-dlm.npy"))
 
     loaders = [(lambda path: (path / "table-dlm.npy").is_file(), load)]
@@ -85,7 +85,7 @@ def test_generate_and_bench_diffuspec_through_the_loader_hook(target_dir, tmp_pa
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--method", "diffuspec", "w5"], "--method diffuspec needs --drafter DIR"),
+        (["--method", "diffuspec", "w5"], "dflax ships no diffusion drafter for target"),
         (["--window", "8", "w5"], "apply to --method diffuspec"),
         (["--method", "diffuspec", "--drafter", "DIR", "--window", "0", "w5"], "--window '0': give auto"),
         (["--method", "diffuspec", "--drafter", "DIR", "--block-size", "4", "w5"], "drop --block-size"),
