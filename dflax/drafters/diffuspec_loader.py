@@ -23,15 +23,26 @@ from dflax.diffusion import loader as checkpoints
 from dflax.diffusion.adapted_checkpoint import is_adapted_drafter_dir, load_adapted_drafter
 from dflax.diffusion.adl import ADL_MAX, ADL_MIN
 from dflax.diffusion.protocol import DiffusionLM
+from dflax.diffusion.vocabulary import check_vocabulary
 from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, diffuspec
 from dflax.drafters.ngram import load_ngram_table
 from dflax.drafters.shipped import shipped_diffusion_drafter_path
 from dflax.target import Target
 
+
+def _load_checkpoint(path: Path, target: Target) -> tuple[DiffusionLM, Any]:
+    """A Dream or LLaDA checkpoint, after checking that it reads every token the target emits."""
+    model, params = checkpoints.load_diffusion_lm(
+        path, target.dtype, attention_backend=target.module.attention_backend
+    )
+    check_vocabulary(model.vocab_size, target.config.vocab_size, target.tokenizer.vocab_size)
+    return model, params
+
+
 # (matches(path), load(path, target) -> (DiffusionLM, params)), tried in order.
 LOADERS: list[tuple[Callable[[Path], bool], Callable[[Path, Target], tuple[DiffusionLM, Any]]]] = [
     (is_adapted_drafter_dir, load_adapted_drafter),
-    (checkpoints.is_diffusion_lm_dir, lambda path, target: checkpoints.load_diffusion_lm(path, target.dtype)),
+    (checkpoints.is_diffusion_lm_dir, _load_checkpoint),
 ]
 
 

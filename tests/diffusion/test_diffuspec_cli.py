@@ -104,3 +104,20 @@ def test_a_directory_no_loader_reads_is_one_clear_error(target_dir, tmp_path):
     )
     assert result.exit_code == 2
     assert "no diffusion LM loader matched" in " ".join(result.output.split()), result.output
+
+
+def test_a_dream_checkpoint_drafts_through_the_cli_and_a_narrower_one_is_refused(target_dir, tmp_path):
+    """The registered loaders: a Dream directory as wide as the target's vocabulary decodes losslessly;
+    one narrower than the tokens the target emits is one clear error before drafting."""
+    from tiny_diffusion_checkpoints import DREAM_CONFIG, dream_tensors, write_checkpoint
+
+    wide = {**DREAM_CONFIG, "vocab_size": 256, "mask_token_id": 255, "pad_token_id": 254}
+    dream = write_checkpoint(tmp_path / "dream", wide, dream_tensors(wide))
+    plain = generate(target_dir, tmp_path, "ar")
+    spec = generate(target_dir, tmp_path, "dream", "--method", "diffuspec", "--drafter", str(dream))
+    assert {k: r["tokens"] for k, r in spec.items()} == {k: r["tokens"] for k, r in plain.items()}
+
+    narrow = write_checkpoint(tmp_path / "narrow", DREAM_CONFIG, dream_tensors(DREAM_CONFIG))
+    args = ["generate", "--target", str(target_dir), "--method", "diffuspec", "--drafter", str(narrow), "w5"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "must share the target's tokenizer" in " ".join(result.output.split())
