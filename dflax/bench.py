@@ -482,9 +482,11 @@ def run_bench(
             if AUTO in method_sizes:
                 raise ValueError("--block-size auto needs a drafter's measured acceptance; lookup has none")
         else:
-            from dflax.drafters.diffuspec_loader import is_diffusion_lm_dir
+            from dflax.drafters.diffuspec_loader import is_diffuspec_drafter_dir
 
-            other_dir = drafter is not None and (is_dart_dir(Path(drafter)) or is_diffusion_lm_dir(drafter))
+            other_dir = drafter is not None and (
+                is_dart_dir(Path(drafter)) or is_diffuspec_drafter_dir(drafter)
+            )
             dflash_dir = None if other_dir else drafter
             spec = load_drafter(dflash_dir or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
             method_drafter = spec

@@ -164,9 +164,9 @@ def _load_diffuspec(
 
 
 def _check_diffuspec_options(methods, window: str | None, refine_steps: int, cps) -> None:
-    """--window, --refine-steps and --no-cps only with --method diffuspec."""
+    """--window, --refine-steps and --cps only with --method diffuspec."""
     if "diffuspec" not in methods and (window is not None or refine_steps != 1 or cps not in (True, "on")):
-        _fail("--window, --refine-steps and --no-cps / --cps apply to --method diffuspec")
+        _fail("the --window, --refine-steps and --cps options apply to --method diffuspec")
 
 
 def _block_size_value(text: str) -> int | str:
@@ -414,7 +414,10 @@ def generate(
         spec_drafter = _load_drafter(method, drafter, loaded, fixed, draft_sampling, tree_budget)
     chains = method == "dflash" and not tree_budget
     if fixed_block == "auto" and not chains:
-        _fail("--block-size auto chooses DFlash chains; give --block-size B with lookup or --tree-budget")
+        _fail(
+            "--block-size auto chooses a DFlash chain or tree itself; with lookup or --tree-budget N give "
+            "--block-size B"
+        )
     if chains and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
         if coordinator is not None:  # each process would time its own forwards and might choose another B
             _fail("--block-size auto times this machine's forwards; give every process --block-size B")

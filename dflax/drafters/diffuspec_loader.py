@@ -85,7 +85,7 @@ class WindowSetting:
         )
 
 
-def is_diffusion_lm_dir(path: str | Path) -> bool:
+def is_diffuspec_drafter_dir(path: str | Path) -> bool:
     """Whether one of the registered loaders reads this directory."""
     path = Path(path).expanduser()
     return path.is_dir() and any(matches(path) for matches, _ in LOADERS)
