@@ -198,8 +198,13 @@ def first_state(
       last_hidden: [B, D] final hidden state of each row's last prompt token.
       cache: the cache holding the prompts (lengths set).
       max_new, row_keys, eos_ids, sampling, max_tokens, proposer: as in `prefill`.
-      drafter_state: the proposer's state after observing the prompts (None for plain decoding).
+      drafter_state: the proposer's state after observing the prompts (None for plain decoding); a
+        proposer that defines `start_decoding(drafter_state)` gets it here, once the whole prompt
+        (shared prefix included) is observed, so it can tell prompt observes from verified steps.
     """
+    start_decoding = getattr(proposer, "start_decoding", None)
+    if start_decoding is not None:
+        drafter_state = start_decoding(drafter_state)
     b = last_hidden.shape[0]
     logits = model.apply(params, last_hidden, method=Transformer.logits)  # [B, V]
     keys = _row_keys_at(row_keys, jnp.zeros((b,), jnp.int32))

@@ -149,7 +149,12 @@ class DiffuSpecProposer:
             generated = jnp.where(after_eos, first - 1, first)
             active = state.drafting & (count > 0)
             adl = update(adl, generated, jnp.maximum(count - 1, 0), active, self.adl)
-        return DiffuSpecState(model_state, history, adl, state.drafting | (count > 0))
+        return DiffuSpecState(model_state, history, adl, state.drafting)
+
+    def start_decoding(self, state: DiffuSpecState) -> DiffuSpecState:
+        """After the prompt (a shared prefix and the row's own part are two observes): every later observe
+        follows a verified chain, so ADL counts it."""
+        return state.replace(drafting=jnp.ones_like(state.drafting))
 
     def propose(self, params, target_params, state, keys) -> tuple[jax.Array, None]:
         """The draft chain [B, K]: CPS's best path (or the per-slot argmax), with markers past each row's k

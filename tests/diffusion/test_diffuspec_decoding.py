@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from diffusion_lms import OracleDiffusionLM, TableDiffusionLM, reference_texts
 from greedy_decoding import greedy
@@ -23,9 +24,10 @@ from toy_target import TV_BOUND, VOCAB, compare, exact_joint, make_toy, sample_o
 import dflax
 from dflax.decoding import decode
 from dflax.decoding.acceptance import commit_tokens
-from dflax.decoding.sampling import sample, split_keys, target_log_probs, uniform
+from dflax.decoding.sampling import SamplingParams, sample, split_keys, target_log_probs, uniform
 from dflax.diffusion.adl import AdlSettings
 from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, DiffuSpecParams, DiffuSpecProposer, diffuspec
+from dflax.generation import generate_ids
 
 # Mixed lengths, with repeats so the row's own trigram counts matter to CPS.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12], [20, 21, 22, 20, 21, 22, 23, 20, 21], [40, 41, 42]]
@@ -148,3 +150,38 @@ def test_a_wrong_acceptance_rule_is_caught(toy, monkeypatch):
     observed, _ = sample_outcomes(toy, drafter.proposer, settings, drafter.params)
     p_value, total_variation = compare(observed, exact_joint(toy, lambda lg: target_probs(lg, **settings)))
     assert p_value < 1e-9, f"wrong rule passed: p={p_value:.3g} TV={total_variation:.4f}"
+
+
+def test_diffuspec_after_a_shared_prefix_decodes_as_without_one(target):
+    """Tokens and accepted lengths with a shared-prefix prefill equal those without sharing."""
+    model = TableDiffusionLM(target.config.vocab_size, window=6)
+    drafter = diffuspec(model, model.make_params(0, 3.0), window=6, adl_min=2)
+    prefix = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31, 32, 33, 34, 35, 36]
+    prompts = [prefix + [5, 6], prefix + [11, 12, 13], prefix + [20]]
+    runs = {}
+    for mode in ("none", "auto"):
+        results = generate_ids(
+            target, prompts, max_new_tokens=20, sampling=SamplingParams.make(), row_seeds=[0, 1, 2],
+            batch_size=3, drafter=drafter, shared_prefix=mode,
+        )  # fmt: skip
+        runs[mode] = [(r.tokens, r.stats["accept_hist"]) for r in results]
+    assert runs["auto"] == runs["none"]
+
+
+def test_prompt_observes_leave_adl_untouched_until_decoding_starts(target):
+    """The two observes of a shared-prefix prefill (prefix, then the own part) are not verified
+    chains: ADL's averages stay at k_max until `start_decoding`; the next observe then counts."""
+    model = TableDiffusionLM(target.config.vocab_size, window=6)
+    drafter = diffuspec(model, model.make_params(0, 3.0), window=6, adl_min=2)
+    proposer, params = drafter.proposer, drafter.params
+    state = proposer.init_state(1, 32, jnp.float32)
+    observe = lambda state, tokens, start, count: proposer.observe(  # noqa: E731
+        params, state, jnp.asarray([tokens]), (), start + jnp.arange(len(tokens))[None], jnp.asarray([count])
+    )
+    state = observe(observe(state, [7, 8], 0, 2), [9, 0], 2, 1)  # the own part: 1 token, 1 padding
+    state = proposer.start_decoding(state)
+    np.testing.assert_array_equal(state.adl.avg_gen, [6.0])
+    np.testing.assert_array_equal(state.adl.avg_acc, [6.0])
+    # A verified chain: the last token + 6 drafts, 1 accepted (count 2).
+    state = observe(state, [9, 1, 2, 3, 4, 5, 6], 3, 2)
+    np.testing.assert_array_equal(state.adl.avg_acc, [0.5 * 6.0 + 0.5 * 1.0])
