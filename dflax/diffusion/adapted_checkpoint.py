@@ -29,6 +29,7 @@ from dflax.diffusion.adapted_drafter import (
     init_adapted_params,
     shared_params,
 )
+from dflax.drafters.checkpoint import hf_tensor_name, layer_config_json
 from dflax.models.config import ModelConfig
 
 ARCHITECTURE = "AdaptedDiffusionDrafter"
@@ -38,23 +39,11 @@ WEIGHTS = "model.safetensors"
 
 def config_to_json(config: AdaptedConfig) -> dict:
     """The config.json dictionary of a drafter."""
-    layers = config.layers
     return {
         "architectures": [ARCHITECTURE],
-        "model_type": layers.arch,
-        "hidden_size": layers.hidden_size,
-        "intermediate_size": layers.intermediate_size,
-        "num_hidden_layers": layers.num_layers,
-        "num_attention_heads": layers.num_heads,
-        "num_key_value_heads": layers.num_kv_heads,
-        "head_dim": layers.head_dim,
-        "rms_norm_eps": layers.rms_norm_eps,
-        "rope_theta": layers.rope_theta,
-        "vocab_size": layers.vocab_size,
-        "max_position_embeddings": layers.max_position_embeddings,
-        "hidden_act": layers.hidden_act,
-        "attention_bias": layers.attention_bias,
-        "tie_word_embeddings": layers.tie_word_embeddings,
+        **layer_config_json(config.layers),
+        "hidden_act": config.layers.hidden_act,
+        "attention_bias": config.layers.attention_bias,
         "source_layers": list(config.source_layers),
         "mask_token_id": config.mask_token_id,
         "window": config.window,
@@ -83,13 +72,6 @@ def is_adapted_drafter_dir(path: str | Path) -> bool:
         return False
 
 
-def _hf_name(path: tuple[str, ...]) -> str:
-    head, *rest = path
-    if head.startswith("layers_"):
-        head = "layers." + head.removeprefix("layers_")
-    return ".".join([head, *rest])
-
-
 def save_adapted_drafter(
     path: str | Path, config: AdaptedConfig, params: dict, dtype: str = "bfloat16"
 ) -> None:
@@ -100,7 +82,7 @@ def save_adapted_drafter(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     flat = flax.traverse_util.flatten_dict(params["params"])
-    tensors = {_hf_name(p): np.asarray(jax.device_get(v)).astype(np_dtype) for p, v in flat.items()}
+    tensors = {hf_tensor_name(p): np.asarray(jax.device_get(v)).astype(np_dtype) for p, v in flat.items()}
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "dflax-adapted-diffusion"})
     (path / CONFIG).write_text(json.dumps(config_to_json(config), indent=2) + "\n")
 

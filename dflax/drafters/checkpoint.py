@@ -33,11 +33,9 @@ from dflax.models.config import ModelConfig
 DRAFT_VOCAB = "draft_vocab"
 
 
-def config_to_json(config: DFlashConfig, num_target_layers: int) -> dict:
-    """The official config.json dictionary of a drafter."""
-    layers = config.layers
+def layer_config_json(layers: ModelConfig) -> dict:
+    """The HF config.json fields of a drafter's decoder layers (what `ModelConfig.from_hf` reads back)."""
     return {
-        "architectures": ["DFlashDraftModel"],
         "model_type": layers.arch,
         "hidden_size": layers.hidden_size,
         "intermediate_size": layers.intermediate_size,
@@ -49,9 +47,17 @@ def config_to_json(config: DFlashConfig, num_target_layers: int) -> dict:
         "rope_theta": layers.rope_theta,
         "vocab_size": layers.vocab_size,
         "max_position_embeddings": layers.max_position_embeddings,
+        "tie_word_embeddings": layers.tie_word_embeddings,
+    }
+
+
+def config_to_json(config: DFlashConfig, num_target_layers: int) -> dict:
+    """The official config.json dictionary of a drafter."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        **layer_config_json(config.layers),
         "hidden_act": "silu",
         "attention_bias": False,
-        "tie_word_embeddings": layers.tie_word_embeddings,
         "block_size": config.block_size,
         "num_target_layers": num_target_layers,
         "dflash_config": {
@@ -84,7 +90,8 @@ def config_from_json(data: dict) -> DFlashConfig:
     )
 
 
-def _hf_name(path: tuple[str, ...]) -> str:
+def hf_tensor_name(path: tuple[str, ...]) -> str:
+    """The checkpoint name of a flattened parameter path: ("layers_3", "mlp", ...) -> "layers.3.mlp..."."""
     head, *rest = path
     if head.startswith("layers_"):
         head = "layers." + head.removeprefix("layers_")
@@ -106,7 +113,7 @@ def save_drafter(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     flat = flax.traverse_util.flatten_dict(params["params"])
-    tensors = {_hf_name(p): np.asarray(jax.device_get(v)).astype(np_dtype) for p, v in flat.items()}
+    tensors = {hf_tensor_name(p): np.asarray(jax.device_get(v)).astype(np_dtype) for p, v in flat.items()}
     if draft_vocab is not None:
         tensors[DRAFT_VOCAB] = check_draft_vocab(draft_vocab, config.layers.vocab_size)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "dflax-dflash"})
