@@ -40,3 +40,39 @@ def smollm2():
     import dflax
 
     return dflax.load_target("smollm2-135m")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs_after_each_module():
+    """Drops jax's compiled programs after every test module.
+
+    Each XLA:CPU executable holds about three memory mappings until it is freed, and the suite compiles
+    thousands of programs in one process: kept, they grew past 11k mappings within the first 77 tests,
+    reached the kernel's `vm.max_map_count` (65530) and XLA aborted the interpreter at ~94% of the suite.
+    Programs a later module needs are compiled again, which costs seconds per module.
+    """
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_persistent_compilation_cache_in_this_process():
+    """Keeps the CLI's in-process calls from turning on XLA's persistent compilation cache for the whole run.
+
+    The cache is a process-wide jax setting: once an in-process `dflax` command enabled it, every later
+    compile of the suite would be serialized and written to disk, time no test asks for. Commands the
+    tests start as subprocesses still use it, sharing this run's DFLAX_CACHE.
+    """
+    from dflax.checkpoints import model_files
+
+    def cache_directory_left_off():
+        return model_files.cache_dir() / "xla"
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_files, "enable_compilation_cache", cache_directory_left_off)
+        yield
