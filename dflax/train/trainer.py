@@ -811,6 +811,8 @@ def train(
                 entry = _summary(pending, tokens, time.perf_counter() - t0, step)
                 record(entry)
                 progress.update(task, info=_progress_text(entry, tau))
+                if not console.is_terminal:  # a log file (nohup) gets a line where a terminal gets the bar
+                    console.print(f"step {step}/{total_steps}  {_progress_text(entry, tau)}")
                 pending, tokens = [], 0
             if val_features is not None and (step % config.validate_every == 0 or step == total_steps):
                 entry = _validate(
