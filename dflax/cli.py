@@ -30,7 +30,8 @@ def _process_settings() -> None:
     return_large_buffers()
 
 
-console = Console(stderr=True)
+# Messages are not wrapped at the console width: paths and error lines stay whole in logs and pipes.
+console = Console(stderr=True, soft_wrap=True)
 
 _TARGET_HELP = "built-in name (smollm2-135m, gemma3-270m), a .gguf file or an HF checkpoint directory"
 _METHODS = ("ar", "dflash", "dart", "lookup", "diffuspec")
