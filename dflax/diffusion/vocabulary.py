@@ -1,15 +1,13 @@
-"""Whether a diffusion drafter can draft for a target, and its logits on the target's token ids.
+"""Whether a diffusion drafter can draft for a target.
 
 A drafter and its target share a tokenizer but not always a vocabulary width: checkpoints pad their
 embedding tables differently (Dream-7B: 152,064 rows; Qwen2.5-0.5B: 151,936; both hold the same 151,665
 tokens). The drafter reads every token the target commits, so each id the target can emit must be a row of
-the drafter's table; ids only the drafter has (padding rows) must never become drafts.
+the drafter's table; ids only the drafter has (padding rows) never become drafts, because drafting reads
+only the first `vocab_size` logits (`dflax.diffusion.refine.window_log_probs`).
 """
 
 from __future__ import annotations
-
-import jax
-import jax.numpy as jnp
 
 
 class VocabularyMismatchError(ValueError):
@@ -37,13 +35,3 @@ def check_vocabulary(
             f"(logits width {target_vocab_size}); a diffusion drafter must share the target's tokenizer "
             "(Dream drafts for Qwen2.5 targets; LLaDA has its own tokenizer)"
         )
-
-
-def logits_for_target(logits: jax.Array, target_vocab_size: int) -> jax.Array:
-    """The drafter's logits [..., V_d] as [..., V_t] over the target's ids: columns past the target's width
-    are cut; ids the drafter lacks get -inf (never drafted)."""
-    width = logits.shape[-1]
-    if width >= target_vocab_size:
-        return logits[..., :target_vocab_size]
-    pad = [(0, 0)] * (logits.ndim - 1) + [(0, target_vocab_size - width)]
-    return jnp.pad(logits, pad, constant_values=-jnp.inf)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from tiny_diffusion_checkpoints import (
     DREAM_CONFIG,
@@ -17,7 +15,7 @@ from tiny_diffusion_checkpoints import (
 )
 
 from dflax.diffusion.loader import DiffusionCheckpointError, is_diffusion_lm_dir, load_diffusion_lm
-from dflax.diffusion.vocabulary import VocabularyMismatchError, check_vocabulary, logits_for_target
+from dflax.diffusion.vocabulary import VocabularyMismatchError, check_vocabulary
 
 
 def test_dream_and_llada_directories_are_recognized_and_others_are_not(tmp_path):
@@ -67,11 +65,3 @@ def test_the_drafter_must_read_every_token_the_target_emits():
     check_vocabulary(151936, 152064, target_tokens=151665)  # the target emits only its tokenizer's ids
     with pytest.raises(VocabularyMismatchError, match="126464 ids but the target emits up to 151665"):
         check_vocabulary(126464, 152064, target_tokens=151665)  # LLaDA's vocabulary for a Qwen2.5 target
-
-
-def test_logits_for_target_cut_the_drafters_extra_ids_and_never_draft_missing_ones():
-    logits = jnp.arange(12, dtype=jnp.float32).reshape(1, 2, 6)  # [B, K, V_d]
-    np.testing.assert_array_equal(logits_for_target(logits, 4), logits[..., :4])
-    padded = np.asarray(logits_for_target(logits, 8))
-    np.testing.assert_array_equal(padded[..., :6], logits)
-    assert np.all(padded[..., 6:] == -np.inf)
