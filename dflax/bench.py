@@ -375,6 +375,7 @@ def run_bench(
     diffuspec_windows: list[str] | None = None,
     refine_steps: int = 1,
     cps_modes: list[bool] | None = None,
+    lookup_min_match: int | None = None,
 ) -> dict[str, Any]:
     """Benchmarks methods back to back on the same prompts and target.
 
@@ -413,6 +414,8 @@ def run_bench(
         auto) and CPS mode (`cps_modes`, default [True]), with `refine_steps` forwards per draft; reported as
         "diffuspec", "-w{setting}" added with several windows, "-nocps" without CPS. `drafter` is then the
         diffusion LM directory (dflash uses the shipped drafter unless `drafter` is a DFlash directory).
+      lookup_min_match: lookup verifies drafts only in steps where some row's last `min_match` tokens
+        occurred before (0 = always); None = `DEFAULT_MIN_MATCH`. Lookup results record it as min_match.
 
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
@@ -460,7 +463,7 @@ def run_bench(
         from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
         from dflax.drafters.dart_checkpoint import is_dart_dir
         from dflax.drafters.dart_loader import DART_TREE_BUDGET, load_dart
-        from dflax.drafters.lookup import LOOKUP_BLOCK_SIZE
+        from dflax.drafters.lookup import DEFAULT_MIN_MATCH, LOOKUP_BLOCK_SIZE
 
         budgets = tree_budgets or [0]
         if method == "dart":
@@ -477,7 +480,8 @@ def run_bench(
                 raise ValueError("--block-size auto chooses DFlash chains; give block sizes with dart")
             budgets = tree_budgets or [DART_TREE_BUDGET]
         elif method == "lookup":
-            method_drafter = prompt_lookup()
+            match = DEFAULT_MIN_MATCH if lookup_min_match is None else lookup_min_match
+            method_drafter = prompt_lookup(min_match=match)
             method_sizes = block_sizes or [LOOKUP_BLOCK_SIZE]
             if AUTO in method_sizes:
                 raise ValueError("--block-size auto needs a drafter's measured acceptance; lookup has none")
@@ -509,6 +513,8 @@ def run_bench(
                     _run_dflax, drafter=method_drafter.with_block_size(b).with_tree_budget(n)
                 )
                 settings[name] = {"block_size": b, "tree_budget": n}
+                if method == "lookup":
+                    settings[name]["min_match"] = method_drafter.proposer.min_match
     if "auto" in shared_prefix:  # each dflax method also (or only) with shared prefixes
         for name, runner in list(runners.items()):
             if name == "hf":

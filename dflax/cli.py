@@ -96,21 +96,25 @@ def _load_drafter(
     block_size: int | None,
     draft_sampling: str,
     tree_budget: int | None = None,
+    min_match: int | None = None,
 ):
     """The drafter for --method dflash, dart or lookup (None for ar), with one clear error for bad input."""
     if tree_budget is not None and method == "ar":
         _fail(
             "--tree-budget needs --method dflash, dart or lookup (plain decoding verifies one token per step)"
         )
+    if min_match is not None and method != "lookup":
+        _fail("--min-match applies to --method lookup")
     if method == "ar":
         return None
     from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
     from dflax.drafters.dart_loader import DART_TREE_BUDGET, load_dart
-    from dflax.drafters.lookup import LOOKUP_BLOCK_SIZE
+    from dflax.drafters.lookup import DEFAULT_MIN_MATCH, LOOKUP_BLOCK_SIZE
 
     try:
         if method == "lookup":
-            return prompt_lookup(block_size or LOOKUP_BLOCK_SIZE, tree_budget or 0)
+            match = DEFAULT_MIN_MATCH if min_match is None else min_match
+            return prompt_lookup(block_size or LOOKUP_BLOCK_SIZE, tree_budget or 0, match)
         if method == "dart":
             if drafter is None:
                 _fail(
@@ -132,6 +136,10 @@ def _load_drafter(
         _fail(str(e))
 
 
+_MIN_MATCH_HELP = (
+    "lookup: verify drafts only in steps where some row's last N tokens (0..3) occurred before, else take a "
+    "plain one-token step; 0 = always verify (default 2)"
+)
 _WINDOW_HELP = (
     "diffuspec: auto (adaptive draft length k in [20, 30], a window of 30 verified per step), MIN:MAX "
     "(adaptive k in those bounds) or K (a fixed k); default auto"
@@ -290,6 +298,7 @@ def generate(
         "n-gram-pruned beam, default 60; lookup: several occurrences' continuations); 0 = a chain",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
+    min_match: int = typer.Option(None, help=_MIN_MATCH_HELP),
     chat: bool = typer.Option(False, "--chat", help="wrap argument prompts as a user chat message"),
     max_new_tokens: int = typer.Option(128, help="new tokens per prompt"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
@@ -412,7 +421,7 @@ def generate(
         )
     else:
         fixed = fixed_block if fixed_block != "auto" else None
-        spec_drafter = _load_drafter(method, drafter, loaded, fixed, draft_sampling, tree_budget)
+        spec_drafter = _load_drafter(method, drafter, loaded, fixed, draft_sampling, tree_budget, min_match)
     chains = method == "dflash" and not tree_budget
     if fixed_block == "auto" and not chains:
         _fail(
@@ -515,6 +524,7 @@ def bench(
         "default 60)",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
+    min_match: int = typer.Option(None, help=_MIN_MATCH_HELP),
     cost_curve: bool = typer.Option(
         False, "--cost-curve", help="time verify forwards for n=1..32 and a draft"
     ),
@@ -550,6 +560,8 @@ def bench(
         if m not in BENCH_METHODS:
             _fail(f"unknown bench method {m!r}; available: {', '.join(BENCH_METHODS)}")
     _check_diffuspec_options(methods, window, refine_steps, cps)
+    if min_match is not None and "lookup" not in methods:
+        _fail("--min-match applies to --method lookup")
     cps_modes = [c.strip() for c in cps.split(",")]
     if not cps_modes or any(c not in ("on", "off") for c in cps_modes):
         _fail(f"--cps {cps!r}: give on, off or on,off")
@@ -604,6 +616,7 @@ def bench(
             diffuspec_windows=[w.strip() for w in (window or "auto").split(",")],
             refine_steps=refine_steps,
             cps_modes=[c == "on" for c in cps_modes],
+            lookup_min_match=min_match,
         )
     except (ValueError, ImportError, FileNotFoundError) as e:
         _fail(str(e))

@@ -201,6 +201,7 @@ def test_lookup_and_dflash_trees_match_ar(tmp_path, target_dir):
         "ar": [],
         "lookup": ["--method", "lookup", "--block-size", "4"],
         "lookup-tree": ["--method", "lookup", "--block-size", "4", "--tree-budget", "9"],
+        "lookup-always-verify": ["--method", "lookup", "--block-size", "4", "--min-match", "0"],
         "tree": ["--method", "dflash", "--drafter", "untrained", "--block-size", "4", "--tree-budget", "6"],
     }
     for name, extra in runs.items():
@@ -216,6 +217,13 @@ def test_tree_budget_needs_a_drafter(target_dir):
     result = run(target_dir, "--tree-budget", "8", "w5")
     assert result.exit_code == 2
     assert "--tree-budget needs --method dflash, dart or lookup" in " ".join(result.output.split())
+
+
+def test_min_match_needs_lookup_and_a_value_it_can_match(target_dir):
+    result = run(target_dir, "--min-match", "1", "w5")
+    assert result.exit_code == 2 and "--min-match applies to --method lookup" in result.output
+    result = run(target_dir, "--method", "lookup", "--min-match", "5", "w5")
+    assert result.exit_code == 2 and "min_match must be 0 (always verify) .. 3" in result.output
 
 
 def test_dart_generates_like_ar_and_benches_under_its_name(tmp_path, target_dir):
@@ -251,7 +259,7 @@ def test_bench_runs_lookup_at_several_tree_budgets(tmp_path, target_dir):
     write_jsonl(prompts, PROMPTS[:2])
     args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "ar,lookup"]
     args += ["--block-size", "4", "--tree-budget", "0,6", "--max-new-tokens", "5", "--json", str(report)]
-    result = runner.invoke(app, args)
+    result = runner.invoke(app, [*args, "--min-match", "0"])
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
     assert data["tree_budgets"] == [0, 6]
@@ -261,6 +269,7 @@ def test_bench_runs_lookup_at_several_tree_budgets(tmp_path, target_dir):
     for r in by_method.values():
         assert r["lossless_match"] == 1.0 and r["new_tokens"] > 0
     assert len(by_method["lookup-t6"]["accept_hist"]) == 6 + 2  # tokens committed per step: 0 .. N + 1
+    assert by_method["lookup-t0"]["min_match"] == by_method["lookup-t6"]["min_match"] == 0
 
 
 def test_bench_compares_continuous_batching_with_static_batches(tmp_path, target_dir):
