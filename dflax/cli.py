@@ -103,8 +103,6 @@ def _load_drafter(
         _fail(
             "--tree-budget needs --method dflash, dart or lookup (plain decoding verifies one token per step)"
         )
-    if min_match is not None and method != "lookup":
-        _fail("--min-match applies to --method lookup")
     if method == "ar":
         return None
     from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
@@ -354,6 +352,8 @@ def generate(
 
     _check_method(method)
     _check_diffuspec_options([method], window, refine_steps, cps)
+    if min_match is not None and method != "lookup":
+        _fail("--min-match applies to --method lookup")
     if shared_prefix not in ("auto", "none"):
         _fail(f"--shared-prefix must be auto or none, got {shared_prefix!r}")
     if num_samples < 1:
