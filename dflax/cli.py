@@ -176,6 +176,12 @@ def _check_diffuspec_options(methods, window: str | None, refine_steps: int, cps
         _fail("the --window, --refine-steps and --cps options apply to --method diffuspec")
 
 
+def _check_lookup_options(methods, min_match: int | None) -> None:
+    """--min-match only with --method lookup."""
+    if min_match is not None and "lookup" not in methods:
+        _fail("--min-match applies to --method lookup")
+
+
 def _block_size_value(text: str) -> int | str:
     """A --block-size value: an integer >= 2 or "auto"; anything else is one clear error."""
     if text == "auto":
@@ -352,8 +358,7 @@ def generate(
 
     _check_method(method)
     _check_diffuspec_options([method], window, refine_steps, cps)
-    if min_match is not None and method != "lookup":
-        _fail("--min-match applies to --method lookup")
+    _check_lookup_options([method], min_match)
     if shared_prefix not in ("auto", "none"):
         _fail(f"--shared-prefix must be auto or none, got {shared_prefix!r}")
     if num_samples < 1:
@@ -560,8 +565,7 @@ def bench(
         if m not in BENCH_METHODS:
             _fail(f"unknown bench method {m!r}; available: {', '.join(BENCH_METHODS)}")
     _check_diffuspec_options(methods, window, refine_steps, cps)
-    if min_match is not None and "lookup" not in methods:
-        _fail("--min-match applies to --method lookup")
+    _check_lookup_options(methods, min_match)
     cps_modes = [c.strip() for c in cps.split(",")]
     if not cps_modes or any(c not in ("on", "off") for c in cps_modes):
         _fail(f"--cps {cps!r}: give on, off or on,off")
