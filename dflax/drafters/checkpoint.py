@@ -17,20 +17,16 @@ its token ids as the int32 tensor `draft_vocab` [V']. Weights are saved as float
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dflax.checkpoints.params import CheckpointError, map_tensors, param_shapes
 from dflax.drafters.dflash import DRAFTER_LAYER_ARCHS, DFlashConfig, DFlashDrafter, init_drafter_params
-from dflax.drafters.draft_vocab import check_draft_vocab
+from dflax.drafters.drafter_files import read_config_json, read_tensors, write_drafter_dir
 from dflax.models.config import ModelConfig
-
-DRAFT_VOCAB = "draft_vocab"
 
 
 def layer_config_json(layers: ModelConfig) -> dict:
@@ -107,17 +103,16 @@ def save_drafter(
     draft_vocab: np.ndarray | None = None,
 ) -> None:
     """Writes config.json + model.safetensors in the official layout (see the module docstring)."""
-    from safetensors.numpy import save_file
-
-    np_dtype = {"float32": np.float32, "bfloat16": jnp.bfloat16}[dtype]
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    flat = flax.traverse_util.flatten_dict(params["params"])
-    tensors = {hf_tensor_name(p): np.asarray(jax.device_get(v)).astype(np_dtype) for p, v in flat.items()}
-    if draft_vocab is not None:
-        tensors[DRAFT_VOCAB] = check_draft_vocab(draft_vocab, config.layers.vocab_size)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "dflax-dflash"})
-    (path / "config.json").write_text(json.dumps(config_to_json(config, num_target_layers), indent=2) + "\n")
+    write_drafter_dir(
+        Path(path),
+        params,
+        hf_tensor_name,
+        config_to_json(config, num_target_layers),
+        "dflax-dflash",
+        dtype,
+        draft_vocab,
+        config.layers.vocab_size,
+    )
 
 
 def load_drafter_checkpoint(
@@ -129,25 +124,9 @@ def load_drafter_checkpoint(
       FileNotFoundError: when config.json or the safetensors are missing.
       CheckpointError: when tensors do not fit the config.
     """
-    from safetensors import safe_open
-
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a DFlash drafter directory (no config.json)")
-    config = config_from_json(json.loads((path / "config.json").read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    tensors = {}
-    for file in files:
-        with safe_open(str(file), framework="flax") as f:
-            tensors.update({name: np.asarray(f.get_tensor(name)) for name in f.keys()})
-    draft_vocab = tensors.pop(DRAFT_VOCAB, None)
-    if draft_vocab is not None:
-        try:
-            draft_vocab = check_draft_vocab(draft_vocab, config.layers.vocab_size)
-        except ValueError as err:
-            raise CheckpointError(f"{path}: tensor {DRAFT_VOCAB!r}: {err}") from None
+    config = config_from_json(read_config_json(path, "DFlash"))
+    tensors, draft_vocab = read_tensors(path, config.layers.vocab_size)
     module = DFlashDrafter(config, dtype)
     expected = param_shapes(jax.eval_shape(lambda: init_drafter_params(module)))
     return config, map_tensors(expected, tensors, dtype, "DFlash drafter"), draft_vocab

@@ -18,19 +18,17 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dflax.checkpoints.params import CheckpointError, map_tensors, param_shapes
 from dflax.drafters.dart import DartConfig, DartDrafter, init_dart_params
-from dflax.drafters.draft_vocab import check_draft_vocab
+from dflax.drafters.drafter_files import read_config_json, read_tensors, write_drafter_dir
 from dflax.drafters.ngram import NgramTable, load_ngram_table, save_ngram_table
 from dflax.models.config import ModelConfig
 
 ARCHITECTURE = "DartDraftModel"
-DRAFT_VOCAB = "draft_vocab"
 
 
 def is_dart_dir(path: Path) -> bool:
@@ -94,17 +92,17 @@ def save_dart(
     ngram: Sequence[NgramTable] = (),
 ) -> None:
     """Writes a DART drafter directory (see the module docstring)."""
-    from safetensors.numpy import save_file
-
-    np_dtype = {"float32": np.float32, "bfloat16": jnp.bfloat16}[dtype]
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    flat = flax.traverse_util.flatten_dict(params["params"])
-    tensors = {".".join(p): np.asarray(jax.device_get(v)).astype(np_dtype) for p, v in flat.items()}
-    if draft_vocab is not None:
-        tensors[DRAFT_VOCAB] = check_draft_vocab(draft_vocab, config.layer.vocab_size)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "dflax-dart"})
-    (path / "config.json").write_text(json.dumps(config_to_json(config, num_target_layers), indent=2) + "\n")
+    write_drafter_dir(
+        path,
+        params,
+        ".".join,
+        config_to_json(config, num_target_layers),
+        "dflax-dart",
+        dtype,
+        draft_vocab,
+        config.layer.vocab_size,
+    )
     for table in ngram:
         save_ngram_table(path / f"ngram-{table.order}.npz", table)
 
@@ -118,29 +116,13 @@ def load_dart_checkpoint(
       FileNotFoundError: when config.json or the safetensors are missing.
       CheckpointError: when tensors do not fit the config.
     """
-    from safetensors import safe_open
-
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a DART drafter directory (no config.json)")
-    config = config_from_json(json.loads((path / "config.json").read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    tensors = {}
-    for file in files:
-        with safe_open(str(file), framework="flax") as f:
-            tensors.update({name: np.asarray(f.get_tensor(name)) for name in f.keys()})
-    draft_vocab = tensors.pop(DRAFT_VOCAB, None)
-    if draft_vocab is not None:
-        try:
-            draft_vocab = check_draft_vocab(draft_vocab, config.layer.vocab_size)
-        except ValueError as err:
-            raise CheckpointError(f"{path}: tensor {DRAFT_VOCAB!r}: {err}") from None
-        if len(draft_vocab) != config.draft_vocab_size:
-            raise CheckpointError(
-                f"{path}: draft_vocab holds {len(draft_vocab)} ids, config says {config.draft_vocab_size}"
-            )
+    config = config_from_json(read_config_json(path, "DART"))
+    tensors, draft_vocab = read_tensors(path, config.layer.vocab_size)
+    if draft_vocab is not None and len(draft_vocab) != config.draft_vocab_size:
+        raise CheckpointError(
+            f"{path}: draft_vocab holds {len(draft_vocab)} ids, config says {config.draft_vocab_size}"
+        )
     module = DartDrafter(config, dtype)
     expected = param_shapes(jax.eval_shape(lambda: init_dart_params(module)))
     params = map_tensors(expected, tensors, dtype, "DART drafter")
