@@ -167,8 +167,8 @@ def _run_auto(
     trees,
     shared_prefix="none",
 ):
-    """DFlash at the block size (or, with `trees`, the tree budget) the cost model picks for this batch
-    size, or plain decoding when nothing pays."""
+    """DFlash or DART at the block size (or, with `trees`, the tree budget) the cost model picks for this
+    batch size, or plain decoding when nothing pays."""
     from dflax.cost_curve import auto_block_size
 
     chosen, choice = auto_block_size(target, drafter, min(batch_size, len(prompt_ids)), context, trees)
@@ -394,11 +394,12 @@ def run_bench(
       drafter: drafter path, "untrained", or None for the drafter shipped for the target; "dart" needs a
         DART directory or "untrained" here (dflash then uses the shipped drafter unless this is a DFlash
         directory).
-      block_sizes: block sizes to run; "auto" picks DFlash's per batch size from the cost model, or plain
-        decoding when none pays (its result's block_size is None). Default: "auto" for a DFlash drafter
-        with measured acceptance (the shipped one) decoding chains, else its trained block size; lookup: 8.
-      tree_budgets: tree budgets to run for dflash, dart and lookup (0 = a chain; the default is a chain for
-        dflash and lookup, DART's published 60 nodes for dart).
+      block_sizes: block sizes to run; "auto" picks DFlash's and DART's chain or tree per batch size from
+        the cost model, or plain decoding when none pays (its result's block_size is None). Default:
+        "auto" for a drafter with measured acceptance (TRAINING.json: the shipped one, any that `dflax
+        train` exported) without tree budgets, else its trained block size; lookup: 8.
+      tree_budgets: tree budgets to run for dflash, dart and lookup (0 = a chain; without them dflash and
+        lookup decode chains, dart without measured acceptance DART's published 60 nodes).
       draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
@@ -475,10 +476,14 @@ def run_bench(
             if draft_sampling != "greedy":
                 raise ValueError("DART drafts greedily (its trees are verified by the delta rule)")
             dart = method_drafter = load_dart(drafter, loaded)
-            method_sizes = block_sizes or [dart.config.num_draft + 1]
-            if AUTO in method_sizes:
-                raise ValueError("--block-size auto chooses DFlash chains; give block sizes with dart")
-            budgets = tree_budgets or [DART_TREE_BUDGET]
+            default = AUTO if dart.accept and not tree_budgets else dart.trained_block_size
+            method_sizes = block_sizes or [default]
+            if AUTO in method_sizes and (tree_budgets or not dart.accept):
+                raise ValueError(
+                    "--block-size auto chooses DART's chain or tree from its measured acceptance: use it "
+                    "without --tree-budget, with a drafter whose TRAINING.json records acceptance"
+                )
+            budgets = tree_budgets or ([0] if AUTO in method_sizes else [DART_TREE_BUDGET])
         elif method == "lookup":
             match = DEFAULT_MIN_MATCH if lookup_min_match is None else lookup_min_match
             method_drafter = prompt_lookup(min_match=match)
@@ -505,7 +510,7 @@ def run_bench(
                 name += f"-t{n}" if len(budgets) > 1 else ""
                 if b == AUTO:  # the block size is chosen per batch size; the run reports it
                     runners[name] = functools.partial(
-                        _run_auto, drafter=spec, context=context, trees=tree_budgets is None
+                        _run_auto, drafter=method_drafter, context=context, trees=tree_budgets is None
                     )
                     settings[name] = {}  # the run reports the chosen block size and tree budget
                     continue

@@ -291,15 +291,16 @@ def generate(
     cps: bool = typer.Option(True, "--cps/--no-cps", help=_CPS_HELP),
     block_size: str = typer.Option(
         None,
-        help="block size B (anchor + B-1 drafts) or auto (DFlash: the cost model's pick of a chain, or of a "
-        "tree when the drafter recorded rank acceptance and --tree-budget is not given; plain decoding when "
-        "nothing pays); default: auto for a DFlash drafter with measured acceptance (the shipped one), else "
-        "the drafter's trained B (lookup: 8)",
+        help="block size B (anchor + B-1 drafts) or auto (DFlash and DART: the cost model's pick of a chain, "
+        "or of a tree when the drafter recorded rank acceptance and --tree-budget is not given; plain "
+        "decoding when nothing pays); default: auto for a drafter with measured acceptance (the shipped "
+        "one, and any that `dflax train` exported), else the drafter's trained B (lookup: 8)",
     ),
     tree_budget: int = typer.Option(
         None,
         help="verify a tree of N nodes per step (dflash: best first over the drafter's block; dart: its "
-        "n-gram-pruned beam, default 60; lookup: several occurrences' continuations); 0 = a chain",
+        "n-gram-pruned beam, default 60 for a drafter without measured acceptance; lookup: several "
+        "occurrences' continuations); 0 = a chain",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     min_match: int = typer.Option(None, help=_MIN_MATCH_HELP),
@@ -427,11 +428,11 @@ def generate(
     else:
         fixed = fixed_block if fixed_block != "auto" else None
         spec_drafter = _load_drafter(method, drafter, loaded, fixed, draft_sampling, tree_budget, min_match)
-    chains = method == "dflash" and not tree_budget
+    chains = method in ("dflash", "dart") and not tree_budget
     if fixed_block == "auto" and not chains:
         _fail(
-            "--block-size auto chooses a DFlash chain or tree itself; with lookup or --tree-budget N give "
-            "--block-size B"
+            "--block-size auto chooses a DFlash or DART chain or tree itself; with lookup or --tree-budget N "
+            "give --block-size B"
         )
     if chains and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
         if coordinator is not None:  # each process would time its own forwards and might choose another B
@@ -519,14 +520,14 @@ def bench(
     ),
     block_size: str = typer.Option(
         None,
-        help="block size B, auto, or several (8,16,auto: one run each of dflash and lookup; auto is "
-        "dflash's); default: auto for a DFlash drafter with measured acceptance (the shipped one) "
-        "decoding chains, else the trained B (lookup: 8)",
+        help="block size B, auto, or several (8,16,auto: one run each of dflash, dart and lookup; auto is "
+        "dflash's and dart's); default: auto for a drafter with measured acceptance (the shipped one, and "
+        "any that `dflax train` exported) without --tree-budget, else the trained B (lookup: 8)",
     ),
     tree_budget: str = typer.Option(
         None,
         help="tree budget N, or several (0,16,32: one dflash / dart / lookup run each; 0 = a chain; dart's "
-        "default 60)",
+        "default without measured acceptance 60)",
     ),
     draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
     min_match: int = typer.Option(None, help=_MIN_MATCH_HELP),

@@ -67,12 +67,16 @@ def verify_times(
 
 
 def draft_time(target: Target, drafter, rows: int, context: int, slots: int, reps: int) -> float:
-    """Median seconds of one drafter proposal (its block size) for `rows` rows after `context` tokens."""
+    """Median seconds of one drafter proposal (its block size and tree budget) for `rows` rows after
+    `context` tokens (a DFlash or DART drafter)."""
     from dflax.decoding.decode import DecodeState
 
     proposer = drafter.proposer
-    dstate = proposer.init_state(rows, slots, target.dtype).replace(
-        lengths=jnp.full((rows,), context, jnp.int32)
+    lengths = jnp.full((rows,), context, jnp.int32)
+    dstate = jax.tree.map(  # every KV cache of the drafter's state holds `context` tokens
+        lambda x: x.replace(lengths=lengths) if isinstance(x, KVCache) else x,
+        proposer.init_state(rows, slots, target.dtype),
+        is_leaf=lambda x: isinstance(x, KVCache),
     )
     state = DecodeState(
         cache=_cache_at(target, rows, slots, context),
@@ -82,7 +86,7 @@ def draft_time(target: Target, drafter, rows: int, context: int, slots: int, rep
         max_new=None,
         done=None,
         row_keys=None,
-        eos_ids=None,
+        eos_ids=jnp.full((1,), -1, jnp.int32),  # no token ends a row (DART's beam reads them)
         steps=None,
         accept_hist=None,
         drafter_state=dstate,
@@ -204,11 +208,12 @@ def auto_block_size(
 
     Args:
       target: the loaded target.
-      drafter: a loaded `dflax.drafters.Drafter` whose per-position acceptance was measured
-        (`drafter.accept`, from its TRAINING.json).
+      drafter: a loaded DFlash `dflax.drafters.Drafter` or DART `DartDrafterBound` whose per-position
+        acceptance was measured (`drafter.accept`, from its TRAINING.json). A DART beam tree of N nodes
+        is predicted as a best-first tree of N nodes over the same rank acceptance.
       rows: the batch size the run decodes at.
       context: a typical prompt length plus half the new tokens.
-      trees: weigh best-first trees too (when the drafter's rank acceptance was measured and it drafts
+      trees: weigh draft trees too (when the drafter's rank acceptance was measured and it drafts
         greedily); False keeps to chains.
 
     Returns:
@@ -222,10 +227,10 @@ def auto_block_size(
             f"drafter {drafter.name!r} has no measured per-position acceptance (TRAINING.json), so "
             "--block-size auto cannot predict its speed; give --block-size B"
         )
-    trained = drafter.config.block_size
+    drafter = drafter.with_tree_budget(0)  # chains first: every block size below is then valid
+    trained = drafter.trained_block_size
     candidates = [b for b in AUTO_BLOCK_SIZES if b <= min(trained, len(drafter.accept) + 1)]
-    greedy = drafter.proposer.draft_sampling.mode == "greedy"
-    budgets = AUTO_TREE_BUDGETS if trees and greedy and drafter.rank_accept else ()
+    budgets = AUTO_TREE_BUDGETS if trees and drafter.drafts_greedily and drafter.rank_accept else ()
     costs = step_costs(target, drafter, rows, context, candidates, tree_budgets=budgets)
     choice = choose_block_size(
         drafter.accept,
@@ -236,5 +241,4 @@ def auto_block_size(
     )
     if choice.block_size is None:
         return None, choice
-    chosen = drafter.with_block_size(choice.block_size)
-    return (chosen.with_tree_budget(choice.tree_budget) if choice.tree_budget else chosen), choice
+    return drafter.with_block_size(choice.block_size).with_tree_budget(choice.tree_budget), choice

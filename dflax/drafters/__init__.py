@@ -6,7 +6,6 @@ drafter ready for `generate` (by what its directory holds), `load_dart` a DART o
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from dflax.drafters.checkpoint import load_drafter_checkpoint, save_drafter
@@ -22,6 +21,7 @@ from dflax.drafters.dflash import (
 from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, diffuspec
 from dflax.drafters.lookup import LookupDrafter, prompt_lookup
 from dflax.drafters.shipped import SHIPPED_DRAFTERS, shipped_drafter_path
+from dflax.drafters.training_record import measured_acceptance, measured_rank_acceptance
 from dflax.sharding import ShardingRules
 from dflax.sharding.placement import shard_params
 from dflax.target import Target
@@ -52,6 +52,16 @@ class Drafter:
     accept: tuple[float, ...] | None = None
     rank_accept: tuple[tuple[float, ...], ...] | None = None
 
+    @property
+    def trained_block_size(self) -> int:
+        """The block size it was trained with (the largest `--block-size auto` weighs)."""
+        return self.config.block_size
+
+    @property
+    def drafts_greedily(self) -> bool:
+        """Whether its drafts are argmaxes (trees need them)."""
+        return self.proposer.draft_sampling.mode == "greedy"
+
     def with_block_size(self, block_size: int) -> Drafter:
         """The same drafter drafting blocks of another size (B - 1 drafts per step)."""
         if block_size < 2:
@@ -72,27 +82,6 @@ class Drafter:
         """Writes the drafter in the official DFlash layout (see dflax.drafters.checkpoint)."""
         target_layers = self.proposer.target.config.num_layers
         save_drafter(path, self.config, self.params, target_layers, dtype, self.proposer.draft_vocab)
-
-
-def _final_validation(path: Path) -> dict:
-    record = path / "TRAINING.json"
-    if not record.is_file():
-        return {}
-    return json.loads(record.read_text(encoding="utf-8")).get("final_validation", {})
-
-
-def measured_acceptance(path: Path) -> tuple[float, ...] | None:
-    """The per-position acceptance that a drafter directory's TRAINING.json recorded at its final
-    validation, or None when it records none."""
-    accept = _final_validation(path).get("val_accept")
-    return tuple(float(a) for a in accept) if accept else None
-
-
-def measured_rank_acceptance(path: Path) -> tuple[tuple[float, ...], ...] | None:
-    """The rank acceptance [n][K] that a drafter directory's TRAINING.json recorded at its final
-    validation, or None when it records none."""
-    ranks = _final_validation(path).get("val_rank_accept")
-    return tuple(tuple(float(a) for a in row) for row in ranks) if ranks else None
 
 
 def load_drafter(
@@ -139,7 +128,7 @@ def load_drafter(
                 f"*.safetensors) or {UNTRAINED!r}"
             )
         if is_dart_dir(path):
-            dart = load_dart(path, target, seed=seed, accept=measured_acceptance(path))
+            dart = load_dart(path, target, seed=seed)
             return dart if block_size is None else dart.with_block_size(block_size)
         config, params, draft_vocab = load_drafter_checkpoint(path, dtype)
         accept, rank_accept = measured_acceptance(path), measured_rank_acceptance(path)

@@ -12,6 +12,7 @@ from dflax.drafters.dart import DartConfig, DartDrafter, DartParams, DartPropose
 from dflax.drafters.dart_checkpoint import ARCHITECTURE, is_dart_dir, load_dart_checkpoint, save_dart
 from dflax.drafters.dart_tree import NgramPrior
 from dflax.drafters.ngram import NgramTable
+from dflax.drafters.training_record import measured_acceptance, measured_rank_acceptance
 from dflax.target import Target
 
 UNTRAINED = "untrained"
@@ -29,6 +30,8 @@ class DartDrafterBound:
       proposer: the static proposer (depth and tree budget included).
       ngram: the n-gram tables behind the priors (saved with the drafter).
       accept: measured per-depth acceptance (from TRAINING.json), or None.
+      rank_accept: measured rank acceptance [d][K] (from TRAINING.json), or None; the cost model reads a
+        best-first tree over it as the estimate of DART's beam tree of the same budget.
     """
 
     name: str
@@ -37,6 +40,17 @@ class DartDrafterBound:
     proposer: DartProposer
     ngram: tuple[NgramTable, ...] = ()
     accept: tuple[float, ...] | None = None
+    rank_accept: tuple[tuple[float, ...], ...] | None = None
+
+    @property
+    def trained_block_size(self) -> int:
+        """The last token plus the d depths it was trained to draft."""
+        return self.config.num_draft + 1
+
+    @property
+    def drafts_greedily(self) -> bool:
+        """Always: DART drafts argmaxes and beam trees, verified by the delta rule."""
+        return True
 
     def with_block_size(self, block_size: int) -> DartDrafterBound:
         """Chains of block_size - 1 drafts: the first block_size - 1 of the trained d positions (drafting is
@@ -81,9 +95,9 @@ def load_dart(
     target: Target,
     tree_budget: int = 0,
     seed: int = 0,
-    accept: tuple[float, ...] | None = None,
 ) -> DartDrafterBound:
-    """Loads a DART drafter directory (or "untrained": random weights, no n-gram counts) for a target.
+    """Loads a DART drafter directory (or "untrained": random weights, no n-gram counts) for a target, with
+    the acceptance its TRAINING.json measured (none for "untrained").
 
     Raises:
       ValueError: when the drafter does not fit the target, or the target is sharded over a mesh.
@@ -94,7 +108,7 @@ def load_dart(
             "DART does not run on a device mesh yet: load the target without mesh= (one device), or use "
             "--method dflash on the mesh"
         )
-    draft_vocab, tables = None, ()
+    draft_vocab, tables, accept, rank_accept = None, (), None, None
     if str(name_or_path) == UNTRAINED:
         config = DartConfig.for_target(target.config)
         params = None
@@ -110,6 +124,7 @@ def load_dart(
                 "give one that `dflax train` exported from a DART recipe (configs/train/dart-smollm2.json)"
             )
         config, params, draft_vocab, tables = load_dart_checkpoint(path, target.dtype)
+        accept, rank_accept = measured_acceptance(path), measured_rank_acceptance(path)
     config.check_target(target.config)
     module = DartDrafter(config, target.dtype)
     if params is None:
@@ -117,5 +132,7 @@ def load_dart(
     embed = target.params["params"]["embed_tokens"]["weight"]
     vocab = None if draft_vocab is None else np.asarray(draft_vocab, np.int32)
     proposer = DartProposer(module, target.module, vocab, depth=config.num_draft)
-    bound = DartDrafterBound(str(name_or_path), config, DartParams(params, embed), proposer, accept=accept)
+    bound = DartDrafterBound(
+        str(name_or_path), config, DartParams(params, embed), proposer, accept=accept, rank_accept=rank_accept
+    )
     return bound.with_ngram(tables).with_tree_budget(tree_budget)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflax.drafters.training_record import TRAINING_RECORD
 from dflax.train.dataset import write_atomically
 
-TRAINING_RECORD = "TRAINING.json"
 PLOT = "validation.png"
 METRICS = "metrics.jsonl"
 
@@ -70,7 +70,9 @@ def write_report(out_dir: Path, train_config: dict, total_steps: int) -> dict:
     """Rewrites out_dir/TRAINING.json and out_dir/validation.png from out_dir/metrics.jsonl.
 
     Returns:
-      The TRAINING.json dictionary: {"train", "total_steps", "steps", "validation": [records]}.
+      The TRAINING.json dictionary: {"train", "total_steps", "steps", "final_validation": the latest
+      record or None, "validation": [records]} (the exported drafter carries a copy: its
+      final_validation is what `--block-size auto` predicts from).
     """
     metrics = read_metrics(out_dir / METRICS)
     validation = [m for m in metrics if "val_tau" in m]
@@ -78,6 +80,7 @@ def write_report(out_dir: Path, train_config: dict, total_steps: int) -> dict:
         "train": train_config,
         "total_steps": total_steps,
         "steps": max((m["step"] for m in metrics), default=0),
+        "final_validation": validation[-1] if validation else None,
         "validation": validation,
     }
     write_atomically(out_dir / TRAINING_RECORD, lambda f: f.write(json.dumps(record, indent=2).encode()))

@@ -79,8 +79,8 @@ from dflax.target import Target, weights_fingerprint
 from dflax.train import dart_objective, objective
 from dflax.train.dart_ngram import response_ngram_tables
 from dflax.train.features import FeatureCache, cache_features
-from dflax.train.recipe import read_recipe
-from dflax.train.report import METRICS, write_report
+from dflax.train.recipe import RunSettings, read_recipe
+from dflax.train.report import METRICS, PLOT, TRAINING_RECORD, write_report
 from dflax.train.target_init import init_from_target
 from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
 
@@ -112,13 +112,12 @@ LAYER_KINDS = ("qwen3", "target")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """A drafter training recipe (configs/train/*.json holds these fields).
+class TrainConfig(RunSettings):
+    """A drafter training recipe (configs/train/*.json holds these fields and those of RunSettings).
 
     Attributes:
       method: "dflash" or "dart" (DART: num_layers 1, init "random", block_size = d + 1, the loss is the
         depth-weighted KL of dflax.train.dart_objective; gamma, mask_token_id, layer_kind are DFlash's).
-      target: the target to train against (built-in name, .gguf or HF directory).
       num_layers: drafter decoder layers.
       block_size: B, the anchor + B - 1 drafted positions (DART: the last token + d drafted depths).
       gamma: decay of the loss weights exp(-(k - 1) / gamma); None = the paper's value for B.
@@ -133,26 +132,10 @@ class TrainConfig:
         directory.
       draft_vocab_size: V', the drafter reads out only the V' most frequent tokens of the training
         responses (dflax.drafters.draft_vocab); 0 = the target's whole vocabulary.
-      anchors_per_seq: M anchors (blocks) per sequence per step, all in one drafter forward.
+      anchors_per_seq: M anchors (blocks) per sequence per step, all in one drafter forward (R =
+        batch_size * M block rows per step).
       anchor_stride: 0 = M random distinct response positions; s >= 1 = every s-th response position
         from a random offset (1 = every position), at most M.
-      attention_chunk: blocks whose attention scores are held at once (memory: batch_size * chunk *
-        heads * B * (max_seq_len + B) floats); the work does not depend on it.
-      max_seq_len: S, sequences are truncated / padded to this length.
-      batch_size: sequences per step (R = batch_size * anchors_per_seq block rows).
-      logits_chunk: block rows per LM-head chunk (memory: chunk * (B - 1) * vocab floats).
-      lr: peak learning rate.
-      warmup_frac: fraction of the steps spent warming up linearly.
-      weight_decay: AdamW decoupled weight decay.
-      clip_norm: global gradient-norm clip.
-      epochs: passes over the training sequences (when `steps` is None).
-      steps: total optimizer steps (overrides `epochs`).
-      checkpoint_every: steps between orbax checkpoints (and one at the end and on SIGTERM/SIGINT).
-      validate_every: steps between validations on the held-out sequences (and one at the end).
-      log_every: steps between progress updates (metrics are fetched from the device then).
-      max_val_sequences: held-out sequences used for validation.
-      seed: initialisation, data order and anchors.
-      export_dtype: dtype of the exported drafter weights ("bfloat16" or "float32").
       feature_cache_dir: where the target-feature cache lives; None = `out_dir/features`. Runs on the
         same sequences and target may share one (a cache of other data is rebuilt, not misread).
       depth_decay: DART's loss weight decay^(t - 1) of depth t.
@@ -161,8 +144,6 @@ class TrainConfig:
     """
 
     method: str = "dflash"
-
-    target: str = "smollm2-135m"
     num_layers: int = 3
     block_size: int = 16
     gamma: float | None = None
@@ -175,22 +156,6 @@ class TrainConfig:
     draft_vocab_size: int = 0
     anchors_per_seq: int = 32
     anchor_stride: int = 0
-    attention_chunk: int = 64
-    max_seq_len: int = 384
-    batch_size: int = 4
-    logits_chunk: int = 32
-    lr: float = 6e-4
-    warmup_frac: float = 0.04
-    weight_decay: float = 0.01
-    clip_norm: float = 1.0
-    epochs: int = 6
-    steps: int | None = None
-    checkpoint_every: int = 500
-    validate_every: int = 500
-    log_every: int = 10
-    max_val_sequences: int = 64
-    seed: int = 0
-    export_dtype: str = "bfloat16"
     feature_cache_dir: str | None = None
     depth_decay: float = dart_objective.DEPTH_DECAY
     ngram_min_count: int = 2
@@ -198,9 +163,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.target_layer_ids is not None:
             object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
-        positive = ("num_layers", "anchors_per_seq", "attention_chunk", "batch_size", "logits_chunk")
-        positive += ("epochs", "checkpoint_every", "validate_every", "log_every")
-        for name in positive:
+        self.check_run_settings()
+        for name in ("num_layers", "anchors_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training config: {name} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
@@ -215,10 +179,6 @@ class TrainConfig:
                 "training config: draft_vocab_size must be >= 0 (0 = the whole vocabulary), "
                 f"got {self.draft_vocab_size}"
             )
-        if self.steps is not None and self.steps < 1:
-            raise ValueError(f"training config: steps must be >= 1 or null, got {self.steps}")
-        if not 0.0 <= self.warmup_frac < 1.0:
-            raise ValueError(f"training config: warmup_frac must be in [0, 1), got {self.warmup_frac}")
         if self.init not in INITS:
             raise ValueError(f"training config: init {self.init!r} unknown; use one of {', '.join(INITS)}")
         if (self.init == "drafter") != (self.init_from is not None):
@@ -234,8 +194,6 @@ class TrainConfig:
             )
         if self.anchor_stride < 0:
             raise ValueError(f"training config: anchor_stride must be >= 0, got {self.anchor_stride}")
-        if self.export_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"training config: export_dtype {self.export_dtype!r}; use bfloat16 or float32")
         if self.method not in METHODS:
             raise ValueError(
                 f"training config: method {self.method!r} unknown; use one of {', '.join(METHODS)}"
@@ -850,5 +808,8 @@ def train(
         save_dart(drafter_dir, drafter_config, params, layers, config.export_dtype, draft_vocab, tables)
     else:
         save_drafter(drafter_dir, drafter_config, params, layers, config.export_dtype, draft_vocab)
+    for name in (TRAINING_RECORD, PLOT):  # the measured acceptance travels with the weights
+        if (out_dir / name).is_file():
+            shutil.copy(out_dir / name, drafter_dir / name)
     console.print(f"drafter ({config.export_dtype}) written to {drafter_dir}")
     return TrainResult(step, total_steps, None, params, drafter_dir, log)

@@ -1,5 +1,6 @@
-"""The block-size cost model: expected tau, the predicted speedup, the choice (or plain decoding), and
-`auto_block_size` on a tiny target with its timings measured once and then read from the cache."""
+"""The block-size cost model: expected tau, the predicted speedup, the choice (or plain decoding),
+`auto_block_size` on a tiny target with its timings measured once and then read from the cache, and bench's
+auto runs of DFlash and DART drafters."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import dflax
 from dflax import cost_curve, projection
 from dflax.cli import app
 from dflax.decoding.block_size import choose_block_size, expected_tau, interpolate
-from dflax.drafters import load_drafter, measured_acceptance, measured_rank_acceptance
+from dflax.drafters import load_dart, load_drafter, measured_acceptance, measured_rank_acceptance
+from dflax.drafters.dart import DartConfig
 
 # A verify forward over n tokens: flat up to 4 tokens, then growing (the CPU's shape).
 VERIFY_S = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.6, 16: 2.4}
@@ -169,6 +171,27 @@ def test_bench_auto_block_size_and_projection(tmp_path, tiny):
     assert set(auto["auto_predicted"]) == {"2", "3", "4", "6", "8", "12", "16"}
     assert "projection" in data["projection"] and "projected_speedup" not in by_method["ar"]
     assert set(by_method["dflash-b4"]["projected_speedup"]) == set(projection.ACCELERATORS)
+
+
+def test_bench_chooses_a_dart_drafters_chain_or_tree_by_default(tmp_path, tiny):
+    target, _ = tiny
+    directory = tmp_path / "dart"
+    load_dart("untrained", target).save(directory)
+    depths = DartConfig.for_target(target.config).num_draft
+    useless = {"val_accept": [0.0] * depths, "val_rank_accept": [[0.0] * 8] * depths}
+    (directory / "TRAINING.json").write_text(json.dumps({"final_validation": useless}))
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    prompts.write_text(json.dumps({"id": 0, "prompt": "w5 w6"}) + "\n")
+    args = ["bench", "--target", target.name, "--prompts", str(prompts), "--method", "ar,dart"]
+    args += ["--drafter", str(directory), "--max-new-tokens", "5", "--json", str(report)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    by_method = {r["method"]: r for r in json.loads(report.read_text())["results"]}
+    assert set(by_method) == {"ar", "dart-auto"}
+    auto = by_method["dart-auto"]
+    assert auto["block_size"] is None and auto["lossless_match"] == 1.0  # nothing pays: plain decoding
+    assert set(auto["auto_predicted"]) == {str(b) for b in cost_curve.AUTO_BLOCK_SIZES if b <= depths + 1}
+    assert set(auto["auto_predicted_trees"]) == {str(n) for n in cost_curve.AUTO_TREE_BUDGETS}
 
 
 def test_a_noisy_plain_timing_cannot_make_a_useless_drafter_pay():

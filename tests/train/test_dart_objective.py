@@ -4,7 +4,8 @@
 - The training forward (every position in one causal pass, one mask block per anchor) equals the decoding
   forward (`DartProposer.observe` of the prefix, in one or two pieces, then `draft_logits`) at every anchor.
 - A short `train` run with a DART recipe lowers the loss, exports a directory (draft vocabulary, n-gram
-  counts) that `dflax.load_drafter` loads, and decodes losslessly as a chain and as a tree.
+  counts, TRAINING.json) that `dflax.load_drafter` loads with its measured acceptance, which the cost
+  model reads, and decodes losslessly as a chain and as a tree.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from greedy_decoding import greedy
 from rich.console import Console
 
 import dflax
+from dflax.cost_curve import AUTO_TREE_BUDGETS, auto_block_size
 from dflax.decoding.cache import KVCache
 from dflax.drafters import DartDrafterBound, load_drafter
 from dflax.drafters.dart import DartConfig, DartDrafter, DartParams, DartProposer, init_dart_params
@@ -114,6 +116,15 @@ def test_dart_training_exports_a_lossless_drafter(target, sequences, tmp_path):
     drafter = load_drafter(result.drafter_dir, target)
     assert isinstance(drafter, DartDrafterBound) and len(drafter.proposer.draft_vocab) == 96
     assert len(drafter.params.ngram) == 2
+    # The export carries its measured acceptance, so the cost model can choose its chain or tree.
+    assert drafter.accept == pytest.approx(validation["val_accept"], abs=1e-6)
+    assert len(drafter.rank_accept) == 4 and drafter.trained_block_size == 5
+    chosen, choice = auto_block_size(target, drafter.with_tree_budget(60), rows=1, context=24)
+    assert set(choice.predicted) == {2, 3, 4} and set(choice.predicted_trees) == set(AUTO_TREE_BUDGETS)
+    if chosen is not None:  # the tiny target's timings decide whether anything pays
+        assert isinstance(chosen, DartDrafterBound)
+        assert chosen.proposer.num_positions == choice.block_size - 1
+        assert chosen.proposer.tree_budget == choice.tree_budget
     prompts = [list(ids[:p]) for ids, p in sequences[32:35]] + [[5, 6]]
     expected, _ = greedy(target, prompts, 24)
     for budget in (0, 16):

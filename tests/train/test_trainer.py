@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 import dflax
 from dflax.cli import app
 from dflax.decoding.cache import KVCache
-from dflax.drafters import load_drafter, shipped_drafter_path
+from dflax.drafters import load_drafter, measured_acceptance, shipped_drafter_path
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, init_drafter_params
 from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.generation import encode_prompt
@@ -482,6 +482,9 @@ def test_validation_report_has_per_position_acceptance_and_a_plot(overfit):
         assert len(v["val_accept"]) == len(v["val_acc"]) == 7
         np.testing.assert_allclose(v["val_tau"], 1 + np.cumprod(v["val_accept"]).sum(), rtol=1e-3)  # 4 digits
     assert (run / PLOT).stat().st_size > 10_000
+    exported = json.loads((overfit.drafter_dir / TRAINING_RECORD).read_text())  # travels with the weights
+    assert exported == report and exported["final_validation"] == validation[-1]
+    assert measured_acceptance(overfit.drafter_dir) == tuple(validation[-1]["val_accept"])
 
 
 def test_warm_start_continues_from_an_exported_drafter(target, sequences, overfit, tmp_path):

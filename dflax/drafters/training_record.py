@@ -1,0 +1,34 @@
+"""What a drafter directory's TRAINING.json says about its measured acceptance (read by the cost model).
+
+`dflax train` and `dflax pipeline` write TRAINING.json beside the exported weights; its
+`final_validation` holds the per-position acceptance (`val_accept`) and the rank acceptance
+(`val_rank_accept`) that `--block-size auto` predicts chains and trees from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TRAINING_RECORD = "TRAINING.json"
+
+
+def _final_validation(path: Path) -> dict:
+    record = Path(path) / TRAINING_RECORD
+    if not record.is_file():
+        return {}
+    return json.loads(record.read_text(encoding="utf-8")).get("final_validation") or {}
+
+
+def measured_acceptance(path: Path) -> tuple[float, ...] | None:
+    """The per-position acceptance that a drafter directory's TRAINING.json recorded at its final
+    validation, or None when it records none."""
+    accept = _final_validation(path).get("val_accept")
+    return tuple(float(a) for a in accept) if accept else None
+
+
+def measured_rank_acceptance(path: Path) -> tuple[tuple[float, ...], ...] | None:
+    """The rank acceptance [n][K] that a drafter directory's TRAINING.json recorded at its final
+    validation, or None when it records none."""
+    ranks = _final_validation(path).get("val_rank_accept")
+    return tuple(tuple(float(a) for a in row) for row in ranks) if ranks else None
