@@ -278,9 +278,11 @@ from dflax.bench import run_bench
 
 drafter = dflax.load_drafter(str(result.drafter_dir), target)
 print(sorted(p.name for p in result.drafter_dir.iterdir()), "block size", drafter.proposer.block_size)
+# At its trained block size: without block_sizes, bench would let the cost model choose (auto), which
+# decodes plainly when the drafter's measured acceptance cannot pay for a verify.
 report = run_bench(prompts="mtbench", target=TARGET, methods=["ar", "dflash"], limit=BENCH_PROMPTS,
                    max_new_tokens=BENCH_TOKENS, temperature=0.0, batch_size=BENCH_BATCH, seed=0,
-                   drafter=str(result.drafter_dir))
+                   drafter=str(result.drafter_dir), block_sizes=[drafter.proposer.block_size])
 for r in report["results"]:
     print(f"{r['method']:7s} {r['tokens_per_s']:7.1f} tokens/s  tau {r['tau']:.2f}  "
           f"same tokens as plain: {r.get('lossless_match')}")

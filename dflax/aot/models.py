@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from dflax.checkpoints.registry import BUILTIN_TARGETS, resolve
-from dflax.drafters.checkpoint import DRAFT_VOCAB, config_from_json
+from dflax.drafters.checkpoint import config_from_json
 from dflax.drafters.dflash import DFlashConfig
+from dflax.drafters.drafter_files import DRAFT_VOCAB
 from dflax.drafters.shipped import shipped_drafter_path
 from dflax.models.config import ModelConfig
 

@@ -27,9 +27,10 @@ class RunSettings:
 
     Attributes:
       target: the target to train against (built-in name, .gguf or HF directory).
-      attention_chunk: blocks whose attention scores are held at once (memory only; the work does not
-        depend on it).
-      logits_chunk: block rows per LM-head chunk (memory only).
+      attention_chunk: blocks (anchors' blocks, or diffusion windows) whose attention scores are held at
+        once (memory: batch_size * chunk * heads * B * (max_seq_len + B) floats); the work does not
+        depend on it.
+      logits_chunk: block rows per LM-head chunk (memory: chunk * (B - 1) * vocab floats).
       max_seq_len: S, sequences are truncated / padded to this length.
       batch_size: sequences per step.
       lr: peak learning rate.
