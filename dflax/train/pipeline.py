@@ -21,7 +21,7 @@ from dflax.target import Target, load_target
 from dflax.train.dataset import load_sequences, read_manifest
 from dflax.train.make_data import DataConfig, make_data
 from dflax.train.recipe import read_recipe
-from dflax.train.report import METRICS, PLOT, TRAINING_RECORD, read_metrics
+from dflax.train.report import METRICS, TRAINING_RECORD, read_metrics
 from dflax.train.trainer import TrainConfig, TrainResult, train
 
 
@@ -108,10 +108,8 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
         ship = Path(pipeline.ship_to)
         if ship.exists():
             shutil.rmtree(ship)
-        shutil.copytree(result.drafter_dir, ship)
-        record = training_record(run_dir, data_dir, train_config, result)
+        shutil.copytree(result.drafter_dir, ship)  # weights, TRAINING.json and validation.png
+        record = training_record(run_dir, data_dir, train_config, result)  # adds the data it saw
         (ship / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        if (run_dir / PLOT).exists():
-            shutil.copy(run_dir / PLOT, ship / PLOT)
         console.print(f"drafter shipped to {ship}")
     return result

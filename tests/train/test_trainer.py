@@ -647,6 +647,7 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
     assert record["steps"] == 4 and record["train_wall_s"] > 0
     assert record["data"]["train"]["sequences"] == 8 and record["data"]["validation"]["sequences"] == 4
     assert record["final_validation"]["step"] == 4 and record["train"]["block_size"] == 8
+    assert (ship / PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot ships beside the record
     drafter = load_drafter(ship, dflax.load_target(target_dir))
     assert drafter.config.block_size == 8
 
