@@ -3,7 +3,6 @@
 Every drafter verifies through this module, so "lossless" is decided in one place (see
 design/verification.md). The target's distribution always comes from `sampling.target_log_probs`.
 
-- `accept_greedy`: temperature 0; identical to greedy autoregressive decoding.
 - `accept_delta`: drafts chosen deterministically (argmax of parallel marginals, top-k, beam). The draft
   is a one-hot proposal: sample y_i from the target at every position, accept while draft == y, then emit
   y at the first mismatch. Exact at every temperature (DFlash's verification rule on a chain).
@@ -81,26 +80,14 @@ def _accept_matching(draft_tokens: jax.Array, target_tokens: jax.Array) -> Accep
     return commit_tokens(draft_tokens, num_accepted, target_tokens)
 
 
-def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Acceptance:
-    """Greedy verification: accept drafts while they equal the target's argmax.
-
-    Args:
-      draft_tokens: [B, T] int drafts.
-      target_logits: [B, T + 1, V] target logits for the block (position i scores draft i; T the bonus).
-
-    Returns:
-      The accepted drafts followed by the target's argmax at the first mismatch (or the bonus at T).
-    """
-    return _accept_matching(draft_tokens, jnp.argmax(target_logits, axis=-1))
-
-
 def accept_delta(
     key: jax.Array, draft_tokens: jax.Array, target_logits: jax.Array, params: SamplingParams
 ) -> Acceptance:
     """The delta rule for deterministically chosen drafts, exact at any temperature, top-k and top-p.
 
     Samples y_i from the target distribution at every position, accepts while draft_i == y_i and emits y
-    at the first mismatch (or y_T as the bonus). At temperature 0 this is `accept_greedy`.
+    at the first mismatch (or y_T as the bonus). At temperature 0 it is greedy verification: drafts are
+    accepted while they equal the target's argmax.
 
     Args:
       key: one PRNG key, or [B] row keys.
@@ -125,8 +112,8 @@ def accept_ratio(
 
     Accepts draft d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emits a
     sample of normalise(max(0, p_i - q_i)); if every draft is accepted, emits a bonus sample of p_T.
-    p is the target's distribution under `params`; at temperature 0 it is one-hot and the result equals
-    `accept_greedy`.
+    p is the target's distribution under `params`; at temperature 0 it is one-hot and the result is
+    greedy verification.
 
     Args:
       key: one PRNG key, or [B] row keys.
@@ -155,24 +142,3 @@ def accept_ratio(
     next_logits = jnp.where(next_probs > 0, jnp.log(next_probs), NEG_INF)
     next_tokens = categorical(key_residual, next_logits)  # [B, T + 1]
     return commit_tokens(draft_tokens, num_accepted, next_tokens)
-
-
-def sample_draft(
-    key: jax.Array, draft_logits: jax.Array, params: SamplingParams
-) -> tuple[jax.Array, jax.Array]:
-    """Samples drafts position by position from a drafter's per-position logits, for `accept_ratio`.
-
-    For a drafter that scores all T positions in one pass (block / parallel drafters): each draft is
-    drawn independently from its position's distribution, which is then the q it was sampled from.
-
-    Args:
-      key: PRNG key.
-      draft_logits: [B, T, V] drafter logits.
-      params: the drafter's own sampling settings (temperature 0 gives argmax drafts with one-hot q).
-
-    Returns:
-      draft_tokens: [B, T] int32 drafts.
-      draft_log_probs: [B, T, V] float32 log q that the drafts were drawn from.
-    """
-    log_q = target_log_probs(draft_logits, params)
-    return jax.random.categorical(key, log_q, axis=-1).astype(jnp.int32), log_q

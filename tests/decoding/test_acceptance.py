@@ -13,7 +13,7 @@ import pytest
 from sampling_definition import target_probs
 from scipy import stats
 
-from dflax.decoding.acceptance import accept_delta, accept_greedy, accept_ratio, commit_tokens, sample_draft
+from dflax.decoding.acceptance import accept_delta, accept_ratio, commit_tokens
 from dflax.decoding.sampling import SamplingParams, sample, target_log_probs
 
 VOCAB = 6
@@ -65,7 +65,28 @@ def _one_hot_logits(tokens: np.ndarray) -> jax.Array:
     return 5.0 * jax.nn.one_hot(jnp.asarray(tokens), VOCAB)
 
 
-def test_accept_greedy_per_row():
+def greedy_oracle(drafts: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy verification written out: accept drafts while they equal the target's argmax, then commit the
+    argmax at the first mismatch (or the bonus). Returns num_accepted [B] and tokens [B, T + 1]."""
+    drafts, target = np.asarray(drafts), np.asarray(logits).argmax(axis=-1)
+    b, t = drafts.shape
+    num_accepted, tokens = np.zeros(b, np.int64), np.zeros((b, t + 1), np.int64)
+    for row in range(b):
+        n = 0
+        while n < t and drafts[row, n] == target[row, n]:
+            n += 1
+        num_accepted[row] = n
+        tokens[row, :n], tokens[row, n] = drafts[row, :n], target[row, n]
+    return num_accepted, tokens
+
+
+def sample_drafts(key, draft_logits, params):
+    """Drafts [B, T] drawn independently per position from the drafter's q, with that log q [B, T, V]."""
+    log_q = target_log_probs(draft_logits, params)
+    return jax.random.categorical(key, log_q, axis=-1).astype(jnp.int32), log_q
+
+
+def test_accept_delta_at_temperature_zero_per_row():
     target = np.array([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])  # [B, T + 1]
     drafts = np.array(
         [
@@ -75,7 +96,9 @@ def test_accept_greedy_per_row():
             [1, 2, 0],  # mismatch at the last draft
         ]
     )
-    result = jax.jit(accept_greedy)(jnp.asarray(drafts), _one_hot_logits(target))
+    greedy = SamplingParams.make(temperature=0.0)
+    result = jax.jit(accept_delta)(jax.random.key(0), jnp.asarray(drafts), _one_hot_logits(target), greedy)
+    np.testing.assert_array_equal(greedy_oracle(drafts, _one_hot_logits(target))[0], [3, 1, 0, 2])
     np.testing.assert_array_equal(result.num_accepted, [3, 1, 0, 2])
     np.testing.assert_array_equal(result.tokens, [[1, 2, 3, 4], [1, 2, 0, 0], [1, 0, 0, 0], [1, 2, 3, 0]])
     assert result.num_accepted.dtype == jnp.int32 and result.tokens.dtype == jnp.int32
@@ -93,28 +116,28 @@ def _random_block(seed: int, batch: int, draft_len: int) -> tuple[np.ndarray, np
 def test_accept_delta_at_temperature_zero_is_greedy():
     drafts, logits = _random_block(0, batch=512, draft_len=5)
     params = SamplingParams.make(temperature=0.0, top_p=0.9)
-    greedy = jax.jit(accept_greedy)(drafts, logits)
+    num_accepted, tokens = greedy_oracle(drafts, logits)
     delta = jax.jit(accept_delta)(jax.random.key(1), drafts, logits, params)
-    np.testing.assert_array_equal(delta.num_accepted, greedy.num_accepted)
-    np.testing.assert_array_equal(delta.tokens, greedy.tokens)
-    assert 0 < np.mean(greedy.num_accepted) < 5  # the batch mixes early, late and full acceptance
+    np.testing.assert_array_equal(delta.num_accepted, num_accepted)
+    np.testing.assert_array_equal(delta.tokens, tokens)
+    assert 0 < np.mean(num_accepted) < 5  # the batch mixes early, late and full acceptance
 
 
 def test_accept_ratio_at_temperature_zero_is_greedy():
     _, logits = _random_block(2, batch=512, draft_len=5)
     # Drafts sampled from a q that is the target's own softmax: often but not always the argmax.
-    drafts, log_q = jax.jit(sample_draft)(jax.random.key(3), logits[:, :-1], DRAFTER_PARAMS)
+    drafts, log_q = jax.jit(sample_drafts)(jax.random.key(3), logits[:, :-1], DRAFTER_PARAMS)
     params = SamplingParams.make(temperature=0.0)
-    greedy = jax.jit(accept_greedy)(drafts, logits)
+    num_accepted, tokens = greedy_oracle(drafts, logits)
     ratio = jax.jit(accept_ratio)(jax.random.key(4), drafts, log_q, logits, params)
-    np.testing.assert_array_equal(ratio.num_accepted, greedy.num_accepted)
-    np.testing.assert_array_equal(ratio.tokens, greedy.tokens)
+    np.testing.assert_array_equal(ratio.num_accepted, num_accepted)
+    np.testing.assert_array_equal(ratio.tokens, tokens)
 
 
 def test_accept_ratio_accepts_everything_when_q_equals_p():
     _, logits = _random_block(5, batch=512, draft_len=5)
     params = SamplingParams.make(temperature=0.8, top_p=0.9)
-    drafts, log_q = jax.jit(sample_draft)(jax.random.key(6), logits[:, :-1], params)
+    drafts, log_q = jax.jit(sample_drafts)(jax.random.key(6), logits[:, :-1], params)
     result = jax.jit(accept_ratio)(jax.random.key(7), drafts, log_q, logits, params)
     np.testing.assert_array_equal(result.num_accepted, 5)
     np.testing.assert_array_equal(result.tokens[:, :5], drafts)
@@ -140,7 +163,7 @@ def _draft_argmax(key, draft_logits):
 
 def _draft_sampled(key, draft_logits):
     """Drafts sampled from the drafter's q, with that q."""
-    return sample_draft(key, draft_logits, DRAFTER_PARAMS)
+    return sample_drafts(key, draft_logits, DRAFTER_PARAMS)
 
 
 def _delta(key, drafts, draft_log_probs, target_logits, params):
