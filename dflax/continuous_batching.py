@@ -76,8 +76,8 @@ def decode_chunk(
 def merge_rows(running: DecodeState, fresh: DecodeState, take: jax.Array) -> DecodeState:
     """The running state with rows where `take` [B] is set replaced by the fresh state's rows.
 
-    Every leaf but `eos_ids` has the batch first: the cache and drafter-state buffers [B, S, ...], the
-    per-row counters, tokens and keys.
+    Every leaf but `eos_ids` has the batch first: the KV caches [B, K, S, H], the other drafter-state
+    buffers [B, S, ...], the per-row counters, tokens and keys.
     """
 
     def pick(new, old):

@@ -41,8 +41,9 @@ class KVCache:
     """Per-layer keys and values with per-row valid lengths.
 
     Attributes:
-      k: one [B, S, K, H] array per layer.
-      v: one [B, S, K, H] array per layer.
+      k: one [B, K, S, H] array per layer, head-major (each KV head's slots contiguous, as the kernels
+        read them).
+      v: one [B, K, S, H] array per layer.
       lengths: [B] int32, number of valid positions per row (the row's own slots).
       shared: prefixes shared by groups of rows, in front of each row's own slots (None: no sharing).
     """
@@ -55,7 +56,7 @@ class KVCache:
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
         """An empty cache of `max_len` slots per row."""
-        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
         return cls(
             k=zeros,
@@ -66,7 +67,7 @@ class KVCache:
     @property
     def max_len(self) -> int:
         """Slots per row S."""
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def positions(self) -> jax.Array:
@@ -87,4 +88,21 @@ def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Arra
     """
     return jax.vmap(lambda buf, upd, s: jax.lax.dynamic_update_slice_in_dim(buf, upd, s, axis=0))(
         buffer, new.astype(buffer.dtype), starts
+    )
+
+
+def write_kv(buffer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """Writes each row's new keys (or values) at its own offset of a head-major cache buffer.
+
+    Args:
+      buffer: [B, K, S, H] cache buffer.
+      new: [B, T, K, H] entries (as attention projects them) to write at slots [starts[b], starts[b] + T).
+      starts: [B] int32 offsets; the caller guarantees starts + T <= S.
+
+    Returns:
+      [B, K, S, H] updated buffer.
+    """
+    new = jnp.swapaxes(new, 1, 2).astype(buffer.dtype)  # [B, K, T, H]
+    return jax.vmap(lambda buf, upd, s: jax.lax.dynamic_update_slice_in_dim(buf, upd, s, axis=1))(
+        buffer, new, starts
     )

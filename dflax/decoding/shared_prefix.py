@@ -147,10 +147,9 @@ def prefill_shared(
     )
     if prefix_packing is not None:
         prefix_taps = tuple(prefix_packing.unpack(tap[0]) for tap in prefix_taps)  # [G, L, D] each
-    head_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [G, L, K, H] -> [G, K, L, H]
     shared = SharedPrefix(
-        k=tuple(map(head_major, prefix_cache.k)),
-        v=tuple(map(head_major, prefix_cache.v)),
+        k=prefix_cache.k,  # [G, K, L, H] per layer
+        v=prefix_cache.v,
         lengths=prefix_lens,
         layout=layout,
         row_offsets=row_offsets,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflax.decoding.acceptance import Acceptance, commit_tokens
-from dflax.decoding.cache import KVCache, write_rows
+from dflax.decoding.cache import KVCache, write_kv
 from dflax.decoding.sampling import SamplingParams, sample
 
 
@@ -154,10 +154,10 @@ def compact_path(cache: KVCache, path: jax.Array) -> KVCache:
     """
     width = path.shape[1]
 
-    def compact(buffer):  # [B, S, K, H]
-        nodes = jax.vmap(lambda buf, s: jax.lax.dynamic_slice_in_dim(buf, s, width, axis=0))(
+    def compact(buffer):  # [B, K, S, H]
+        nodes = jax.vmap(lambda buf, s: jax.lax.dynamic_slice_in_dim(buf, s, width, axis=1))(
             buffer, cache.lengths
-        )  # [B, N + 1, K, H]
-        return write_rows(buffer, gather_path(nodes, path), cache.lengths)
+        )  # [B, K, N + 1, H]
+        return write_kv(buffer, gather_path(jnp.swapaxes(nodes, 1, 2), path), cache.lengths)
 
     return cache.replace(k=tuple(map(compact, cache.k)), v=tuple(map(compact, cache.v)))

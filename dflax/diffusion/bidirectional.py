@@ -55,7 +55,7 @@ class BidirectionalTransformer(Transformer):
         """
         b, n = tokens.shape
         cfg = self.config
-        empty = jnp.zeros((b, 0, cfg.num_kv_heads, cfg.head_dim), self.dtype)  # [B, 0, K, H]: no cache
+        empty = jnp.zeros((b, cfg.num_kv_heads, 0, cfg.head_dim), self.dtype)  # [B, K, 0, H]: no cache
         no_cache = jnp.zeros((b,), jnp.int32)
         mask = jnp.broadcast_to(key_valid[:, None, :], (b, n, n))  # [B, N, N] query i sees valid key j
         x = self.embed(tokens)  # [B, N, D]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dflax.decoding.cache import KVCache, write_rows
+from dflax.decoding.cache import KVCache, write_kv
 from dflax.decoding.sampling import NEG_INF
 from dflax.decoding.tree import DraftTree
 from dflax.drafters.dart_tree import BeamSettings, NgramPrior, dart_tree
@@ -124,7 +124,7 @@ def attention(q, ctx_k, ctx_v, ctx_mask, own_k, own_v):
 
     Args:
       q: [B, M, T, N, H] queries (M query groups share one context per row).
-      ctx_k, ctx_v: [B, S, K, H] context keys/values.
+      ctx_k, ctx_v: [B, K, S, H] context keys/values (head-major, as the KV cache stores them).
       ctx_mask: [B, M, T, S] bool, which context slots each query sees.
       own_k, own_v: [B, M, T, K, H] the queries' own keys/values; query t sees own keys 0..t.
 
@@ -132,15 +132,15 @@ def attention(q, ctx_k, ctx_v, ctx_mask, own_k, own_v):
       [B, M, T, N, H] in q's dtype.
     """
     b, m, t, n, h = q.shape
-    k_heads = ctx_k.shape[2]
+    k_heads = ctx_k.shape[1]
     qg = q.reshape(b, m, t, k_heads, n // k_heads, h).astype(jnp.float32) * h**-0.5
-    ctx = jnp.einsum("bmtkgh,bskh->bmkgts", qg, ctx_k.astype(jnp.float32))  # [B, M, K, G, T, S]
+    ctx = jnp.einsum("bmtkgh,bksh->bmkgts", qg, ctx_k.astype(jnp.float32))  # [B, M, K, G, T, S]
     own = jnp.einsum("bmtkgh,bmukh->bmkgtu", qg, own_k.astype(jnp.float32))  # [B, M, K, G, T, T]
     ctx = jnp.where(ctx_mask[:, :, None, None], ctx, NEG_INF)
     own = jnp.where(jnp.tril(jnp.ones((t, t), jnp.bool_)), own, NEG_INF)
     probs = jax.nn.softmax(jnp.concatenate([ctx, own], axis=-1), axis=-1)
-    s = ctx_k.shape[1]
-    out = jnp.einsum("bmkgts,bskh->bmtkgh", probs[..., :s], ctx_v.astype(jnp.float32))
+    s = ctx_k.shape[2]
+    out = jnp.einsum("bmkgts,bksh->bmtkgh", probs[..., :s], ctx_v.astype(jnp.float32))
     out += jnp.einsum("bmkgtu,bmukh->bmtkgh", probs[..., s:], own_v.astype(jnp.float32))
     return out.reshape(b, m, t, n, h).astype(q.dtype)
 
@@ -381,8 +381,8 @@ class DartProposer:
         newest = jnp.take_along_axis(features, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
         return DartState(
             cache.replace(
-                k=(write_rows(cache.k[0], k, start),),
-                v=(write_rows(cache.v[0], v, start),),
+                k=(write_kv(cache.k[0], k, start),),
+                v=(write_kv(cache.v[0], v, start),),
                 lengths=start + count,
             ),
             jnp.where((count > 0)[:, None], newest.astype(state.pending.dtype), state.pending),

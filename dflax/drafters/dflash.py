@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflax.decoding.cache import KVCache, write_rows
+from dflax.decoding.cache import KVCache, write_kv
 from dflax.decoding.sampling import NEG_INF, SamplingParams, categorical, target_log_probs
 from dflax.decoding.tree import DraftTree
 from dflax.drafters.best_first import best_first_tree
@@ -301,8 +301,8 @@ class DFlashProposer:
         ks, vs = self.module.apply(params, features, positions, method=DFlashDrafter.context_kv)
         start = drafter_state.lengths
         return drafter_state.replace(
-            k=tuple(write_rows(buf, k, start) for buf, k in zip(drafter_state.k, ks)),
-            v=tuple(write_rows(buf, v, start) for buf, v in zip(drafter_state.v, vs)),
+            k=tuple(write_kv(buf, k, start) for buf, k in zip(drafter_state.k, ks)),
+            v=tuple(write_kv(buf, v, start) for buf, v in zip(drafter_state.v, vs)),
             lengths=start + count,
         )
 

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflax.decoding.cache import SharedPrefix, write_rows
+from dflax.decoding.cache import SharedPrefix, write_kv
 from dflax.models.block_attention import anchored_block_attention
 from dflax.models.config import RopeScaling
 from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
@@ -124,7 +124,7 @@ def attend(
     Args:
       cfg: attention settings.
       q: [B, T, N, H] queries (RoPE applied).
-      k_cache, v_cache: [B, S, K, H] cached keys/values; slots >= cache_len are never read.
+      k_cache, v_cache: [B, K, S, H] cached keys/values; slots >= cache_len are never read.
       cache_len: [B] int32 valid cache length per row.
       k_new, v_new: [B, T, K, H] keys/values of the new tokens.
       new_mask: [B, T, T] bool, query i may see new token j; None = causal by index (j <= i: prompts and
@@ -178,9 +178,6 @@ def _attend_shared(cfg, shared, q, k_cache, v_cache, cache_len, k_new, v_new, ne
     """Shared prefix + own cache + new-token attention: [B, T, N, H] (see `Attention.__call__`)."""
     _check_global(cfg)
     backend, interpret = _kernel_backend(cfg.backend)
-    if new_mask is None:  # causal by index
-        b, t = q.shape[:2]
-        new_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
     return shared_prefix_attention(
         q, shared.k[0], shared.v[0], shared.lengths, shared.layout, k_cache, v_cache, cache_len, k_new, v_new,
         new_mask, sm_scale=cfg.scale, causal=causal,
@@ -297,7 +294,7 @@ class Attention(nn.Module):
         Args:
           x: [B, T, D] normalized hidden states, or [1, L, D] packed tokens with `packing`.
           positions: [B, T] int32 absolute positions (the padded layout, also with `packing`).
-          k_cache, v_cache: [B, S, K, H].
+          k_cache, v_cache: [B, K, S, H].
           cache_len: [B] int32.
           new_mask: [B, T, T] bool, or None: causal by index (prompts, chains).
           write_cache: static; write the new keys/values at slots [cache_len, cache_len + T) of the cache.
@@ -309,11 +306,11 @@ class Attention(nn.Module):
             too, the packed tokens are the rows' own prompt rests on top of their groups' prefixes.
           shared: this layer's shared prefixes (`SharedPrefix.layer`): each row also attends to its group's
             prefix, in front of its own cache, by the two-level attention of pallas_kernels.shared_prefix
-            (the prefix level by its Pallas kernel where the backend is Pallas, jnp elsewhere; each row's
-            own part in jnp; global-attention layers only).
+            (both levels as Pallas kernels where the backend is Pallas, jnp elsewhere; global-attention
+            layers only).
 
         Returns:
-          (out [B, T, D] (packed [1, L, D] with `packing`), k_cache, v_cache [B, S, K, H] with the new
+          (out [B, T, D] (packed [1, L, D] with `packing`), k_cache, v_cache [B, K, S, H] with the new
           tokens written when `write_cache`, else as given).
         """
         cfg = self.cfg
@@ -335,10 +332,10 @@ class Attention(nn.Module):
                 q = packing.unpack(q[0])  # [B, T, N, H]
             k, v = packing.unpack(k[0]), packing.unpack(v[0])  # [B, T, K, H]
         if write_cache:
-            k_cache, v_cache = write_rows(k_cache, k, cache_len), write_rows(v_cache, v, cache_len)
+            k_cache, v_cache = write_kv(k_cache, k, cache_len), write_kv(v_cache, v, cache_len)
         if packed_out is not None:
             return self.o_proj(packed_out), k_cache, v_cache
-        k_read, v_read = (k_cache[:, :0], v_cache[:, :0]) if empty_cache else (k_cache, v_cache)
+        k_read, v_read = (k_cache[:, :, :0], v_cache[:, :, :0]) if empty_cache else (k_cache, v_cache)
         if shared is not None:
             out = _attend_shared(cfg, shared, q, k_read, v_read, cache_len, k, v, new_mask, causal)
         else:

@@ -97,7 +97,7 @@ class DecoderLayer(nn.Module):
         packing: Packing | None = None,
         shared: SharedPrefix | None = None,
     ):
-        """x [B, T, D] or packed [1, L, D] -> (x, k_cache, v_cache [B, S, K, H]); see `Attention`."""
+        """x [B, T, D] or packed [1, L, D] -> (x, k_cache, v_cache [B, K, S, H]); see `Attention`."""
         h, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x),
             positions,

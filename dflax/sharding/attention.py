@@ -29,7 +29,7 @@ def shard_attention(attention: Callable, num_heads: int, num_kv_heads: int) -> C
     """Wraps attention(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions) -> out so that
     it runs per device on the active mesh (the call itself when no mesh is active).
 
-    Shapes: q [B, T, N, H], caches [B, S, K, H], cache_len [B], k_new / v_new [B, T, K, H],
+    Shapes: q [B, T, N, H], caches [B, K, S, H], cache_len [B], k_new / v_new [B, T, K, H],
     new_mask [B, T, T] or None (causal by index), q_positions [B, T] -> out [B, T, N, H].
     """
     mesh = active_mesh()
@@ -37,16 +37,20 @@ def shard_attention(attention: Callable, num_heads: int, num_kv_heads: int) -> C
         return attention
     layout = HeadLayout.of(num_heads, num_kv_heads, mesh.shape[MODEL])
     heads = PartitionSpec(DATA, None, MODEL if layout.heads_split else None, None)
-    kv = PartitionSpec(DATA, None, MODEL if layout.kv_split else None, None)
+    kv_heads = MODEL if layout.kv_split else None
+    cache = PartitionSpec(DATA, kv_heads, None, None)  # [B, K, S, H]
+    kv = PartitionSpec(DATA, None, kv_heads, None)  # [B, T, K, H]
     rows = PartitionSpec(DATA)
     slice_kv = layout.heads_split and not layout.kv_split
 
     def per_device(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions):
         if slice_kv:  # replicated KV heads: keep the ones this device's query heads read
             start = layout.kv_start(jax.lax.axis_index(MODEL), num_heads, num_kv_heads)
-            k_cache, v_cache, k_new, v_new = (
-                jax.lax.dynamic_slice_in_dim(x, start, layout.kv_local, axis=2)
-                for x in (k_cache, v_cache, k_new, v_new)
+            k_cache, v_cache = (
+                jax.lax.dynamic_slice_in_dim(x, start, layout.kv_local, axis=1) for x in (k_cache, v_cache)
+            )
+            k_new, v_new = (
+                jax.lax.dynamic_slice_in_dim(x, start, layout.kv_local, axis=2) for x in (k_new, v_new)
             )
         return attention(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions)
 
@@ -54,7 +58,7 @@ def shard_attention(attention: Callable, num_heads: int, num_kv_heads: int) -> C
     sharded = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(heads, kv, kv, rows, kv, kv, rows, rows),
+        in_specs=(heads, cache, cache, rows, kv, kv, rows, rows),
         out_specs=heads,
         check_vma=False,
     )
@@ -63,7 +67,7 @@ def shard_attention(attention: Callable, num_heads: int, num_kv_heads: int) -> C
             q, k_cache, v_cache, cache_len, k_new, v_new, None, q_positions
         ),
         mesh=mesh,
-        in_specs=(heads, kv, kv, rows, kv, kv, rows),
+        in_specs=(heads, cache, cache, rows, kv, kv, rows),
         out_specs=heads,
         check_vma=False,
     )

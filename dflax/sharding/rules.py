@@ -155,11 +155,11 @@ class ShardingRules:
         return {"params": flax.traverse_util.unflatten_dict(out)}
 
     def cache_sharding(self, num_kv_heads: int) -> NamedSharding:
-        """The sharding of one [B, S, K, H] KV-cache buffer of K = num_kv_heads heads: split by row, and by
-        KV head where `model` divides them (the same test as `HeadLayout.kv_split`)."""
+        """The sharding of one head-major [B, K, S, H] KV-cache buffer of K = num_kv_heads heads: split by
+        row, and by KV head where `model` divides them (the same test as `HeadLayout.kv_split`)."""
         model = mesh_shape(self.mesh).model
         kv_split = model > 1 and num_kv_heads % model == 0
-        return NamedSharding(self.mesh, PartitionSpec(DATA, None, MODEL if kv_split else None, None))
+        return NamedSharding(self.mesh, PartitionSpec(DATA, MODEL if kv_split else None, None, None))
 
     def state_shardings(self, state, replicated_fields: tuple[str, ...] = ("eos_ids",)):
         """NamedShardings for a decode-loop state pytree: 4-d buffers are KV caches, `replicated_fields`
@@ -169,6 +169,6 @@ class ShardingRules:
             names = {getattr(k, "name", None) for k in path}
             if len(leaf.shape) == 0 or names & set(replicated_fields):
                 return self.replicated()
-            return self.cache_sharding(leaf.shape[2]) if len(leaf.shape) == 4 else self.rows()
+            return self.cache_sharding(leaf.shape[1]) if len(leaf.shape) == 4 else self.rows()
 
         return jax.tree_util.tree_map_with_path(leaf_sharding, state)

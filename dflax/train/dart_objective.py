@@ -74,7 +74,8 @@ def dart_hidden(module: DartDrafter, params, embed, features, tokens, anchors) -
     u = module.apply(params, features, jnp.take(embed, next_tokens, axis=0), method=DartDrafter.fuse)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (n, s))
     k, v = module.apply(params, u, positions, method=DartDrafter.context_kv)  # [N, S, K, H]
-    empty = k[:, :0]
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [N, K, S, H], the cache's layout
+    empty = k[:, :, :0]
     prefix = module.apply(
         params, u[:, None], positions[:, None], empty, empty, jnp.zeros((n, 1, s, 0), jnp.bool_)
     )[:, 0]  # [N, S, D]: causal over the whole sequence

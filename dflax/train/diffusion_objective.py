@@ -100,7 +100,8 @@ def context_kv(drafter: AdaptedDrafter, params, tokens: jax.Array, lengths: jax.
     _, cache = module.apply(
         params["drafter"], x, positions, cache, mask, write_cache=True, empty_cache=True, causal=True
     )
-    return cache.k, cache.v
+    # The cache is head-major [N, K, S, H]; the anchored blocks read [N, S, K, H].
+    return tuple(jnp.swapaxes(x, 1, 2) for x in cache.k), tuple(jnp.swapaxes(x, 1, 2) for x in cache.v)
 
 
 def window_hidden(

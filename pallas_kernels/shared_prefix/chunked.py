@@ -8,6 +8,10 @@ Level 2 continues that state over the row's own cache, chunk by chunk up to the 
 loop of the CPU tree attention), and over the new tokens under their mask (causal chains and prompts, or
 a draft tree's ancestor mask), which is the log-sum-exp merge of the two partial attentions.
 
+On TPU and GPU both levels are Pallas kernels: level 1 the prefix tile kernel (`pallas.py`), level 2 the
+tree-attention kernel over the row's own cache and new tokens, which returns its log-sum-exp; the two
+normalized partials are merged in jnp (`merge_partials`).
+
 Glossary of einsum letters: G groups, R rows per group, B rows, T new tokens, K kv heads, Q query heads per
 kv head, X = R * T * Q queries of one (group, kv head), L prefix slots, U new keys, H head_dim.
 """
@@ -21,7 +25,8 @@ from pallas_kernels.shared_prefix.layout import GroupLayout
 from pallas_kernels.shared_prefix.pallas import combine_tiles, prefix_tiles
 from pallas_kernels.shared_prefix.split import split_prefix_state
 from pallas_kernels.tree_attention.chunked import _prefix, _prefix_single_query, online_update
-from pallas_kernels.tree_attention.reference import MASK_VALUE
+from pallas_kernels.tree_attention.ops import tree_attention
+from pallas_kernels.tree_attention.reference import MASK_VALUE, log_sum_exp, merge_partials
 
 _HI = jax.lax.Precision.HIGHEST
 KERNEL_BLOCK_KV = {"tpu": 512, "gpu": 128}  # prefix slots per kernel tile
@@ -54,16 +59,17 @@ def shared_prefix_attention(
       prefix_k, prefix_v: [G, K, L, H] each group's prefix keys/values (absolute positions 0 .. L - 1).
       prefix_len: [G] int32 valid prefix length per group; slots from there on are never read.
       layout: which rows belong to which group.
-      k_cache, v_cache: [B, S, K, H] each row's own cache (slot j holds position prefix_len + j).
+      k_cache, v_cache: [B, K, S, H] each row's own cache (slot j holds position prefix_len + j).
       cache_len: [B] int32 filled slots per row.
       k_new, v_new: [B, T, K, H] the new tokens' keys/values.
-      new_mask: [B, T, T] bool, query i sees new token j.
+      new_mask: [B, T, T] bool, query i sees new token j; None = causal by index (j <= i).
       sm_scale: logit scale.
       causal: static promise that new_mask is lower-triangular (query blocks skip later keys).
       query_block: new tokens per query block.
-      prefix_kernel: "tpu" or "gpu": run level 1 (the prefix) as that platform's Pallas kernel
-        (`pallas_kernels.shared_prefix.pallas`: Mosaic on TPU, Triton on GPU); None runs it in jnp.
-      interpret: with prefix_kernel, run it in Pallas interpret mode (CPU tests).
+      prefix_kernel: "tpu" or "gpu": run both levels as that platform's Pallas kernels (Mosaic on TPU,
+        Triton on GPU): level 1 by `pallas_kernels.shared_prefix.pallas`, level 2 by the tree-attention
+        kernel, which returns its log-sum-exp for the merge. None runs both in jnp.
+      interpret: with prefix_kernel, run the kernels in Pallas interpret mode (CPU tests).
       prefix_splits: the jnp level 1 splits every prefix into this many parts over its length, merged by
         log-sum-exp (`pallas_kernels.shared_prefix.split`; 1 = no split, the default: no gain measured on
         CPU). It must divide the prefix slots. Ignored with prefix_kernel.
@@ -72,7 +78,7 @@ def shared_prefix_attention(
       [B, T, N, H] in q's dtype (fp32 accumulation), equal to per-row attention over the concatenation.
     """
     b, t, n, h = q.shape
-    kv = k_cache.shape[2]
+    kv = k_cache.shape[1]
     if n % kv or prefix_k.shape[:2] != (layout.num_groups, kv) or prefix_k.shape[3] != h:
         raise ValueError(
             f"prefix_k must be [groups={layout.num_groups}, num_kv_heads={kv}, slots, head_dim={h}] with "
@@ -80,8 +86,13 @@ def shared_prefix_attention(
         )
     qf = q.astype(jnp.float32).reshape(b, t, kv, n // kv, h) * sm_scale  # [B, T, K, Q, H]
     state = _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout, prefix_kernel, interpret, prefix_splits)
-    if k_cache.shape[1]:
-        cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[1])
+    if prefix_kernel is not None:
+        return _merge_own_by_kernel(q, state, k_cache, v_cache, cache_len, k_new, v_new, new_mask, sm_scale,
+                                    prefix_kernel, interpret)  # fmt: skip
+    if new_mask is None:
+        new_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
+    if k_cache.shape[2]:
+        cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[2])
         positions = jnp.zeros((b, t), jnp.int32)  # positions only matter to sliding windows (none here)
         own = _prefix_single_query if t == 1 else _prefix
         state = own(qf, k_cache, v_cache, cache_len, positions, None, lambda s: s, state)
@@ -97,6 +108,22 @@ def shared_prefix_attention(
         _, lb, accb = online_update(block_state, scores, vis, vn[:, :keys], "BTKQU,BUKH->BTKQH")
         outs.append(accb * jnp.where(lb > 0, 1.0 / jnp.where(lb > 0, lb, 1.0), 0.0)[..., None])
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)  # [B, T, K, Q, H]
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _merge_own_by_kernel(q, state, k_cache, v_cache, cache_len, k_new, v_new, new_mask, sm_scale, platform,
+                         interpret):  # fmt: skip
+    """Level 2 on a Pallas platform: the tree-attention kernel over each row's own cache and new tokens,
+    with its log-sum-exp, merged with the prefix state (max, denominator, numerator [B, T, K, Q, ...])."""
+    b, t, n, h = q.shape
+    m, denom, acc = state
+    own, own_lse = tree_attention(
+        q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, sm_scale=sm_scale, backend=platform,
+        interpret=interpret, return_lse=True,
+    )  # fmt: skip
+    prefix_out = acc * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)[..., None]
+    own, own_lse = own.reshape(prefix_out.shape), own_lse.reshape(m.shape)
+    out = merge_partials(prefix_out, log_sum_exp(m, denom), own, own_lse)  # [B, T, K, Q, H]
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 

@@ -22,7 +22,7 @@ def shared_prefix_reference(
       prefix_k, prefix_v: [G, K, L, H] shared prefixes (head-major).
       prefix_len: [G] valid prefix length per group.
       row_group: [B] each row's group.
-      k_cache, v_cache: [B, S, K, H] each row's own cache; slots >= cache_len are never read.
+      k_cache, v_cache: [B, K, S, H] each row's own cache (head-major); slots >= cache_len are never read.
       cache_len: [B].
       k_new, v_new: [B, T, K, H].
       new_mask: [B, T, T] bool, query i sees new token j.
@@ -36,14 +36,16 @@ def shared_prefix_reference(
         as64, (q, k_cache, v_cache, k_new, v_new, prefix_k, prefix_v)
     )
     b, t, n, h = q.shape
-    kv = k_cache.shape[2]
+    kv = k_cache.shape[1]
     out = np.zeros((b, t, n, h))
     for row in range(b):
         g, plen, clen = int(row_group[row]), int(prefix_len[row_group[row]]), int(cache_len[row])
         keys = np.concatenate(
-            [prefix_k[g, :, :plen].transpose(1, 0, 2), k_cache[row, :clen], k_new[row]]
+            [prefix_k[g, :, :plen].transpose(1, 0, 2), k_cache[row, :, :clen].transpose(1, 0, 2), k_new[row]]
         )  # [L + C + T, K, H]
-        values = np.concatenate([prefix_v[g, :, :plen].transpose(1, 0, 2), v_cache[row, :clen], v_new[row]])
+        values = np.concatenate(
+            [prefix_v[g, :, :plen].transpose(1, 0, 2), v_cache[row, :, :clen].transpose(1, 0, 2), v_new[row]]
+        )
         for i in range(t):
             visible = np.concatenate([np.ones(plen + clen, bool), np.asarray(new_mask[row, i], bool)])
             for head in range(n):

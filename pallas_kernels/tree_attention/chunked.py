@@ -1,13 +1,13 @@
 """Prefix + tree attention in jnp whose cost follows the filled cache, not its slots: the CPU path.
 
 The dense reference scores every cache slot and then masks the stale ones, so a cache of 1,024 slots with
-100 filled costs ten times the useful work, and its einsums copy (transpose) the whole [B, S, K, H] cache on
-every call. This implementation reads the prefix in chunks of `chunk` slots inside a `lax.fori_loop` that
-runs only up to the batch's longest row (and starts at the sliding window's first visible chunk), keeping a
-running max, denominator and accumulator per query (online softmax, as the kernels do). Only the chunk in
-flight is copied. The new tokens (a decode step, a verify chain or tree, a draft block, or a whole prompt)
-are scored in query blocks of `query_block` rows; under `causal=True` a block skips the keys after its last
-row, so a prefill does about half of the T^2 work and never holds a [T, T] score matrix for long prompts.
+100 filled costs ten times the useful work. This implementation reads the head-major cache in chunks of
+`chunk` slots inside a `lax.fori_loop` that runs only up to the batch's longest row (and starts at the
+sliding window's first visible chunk), keeping a running max, denominator and accumulator per query (online
+softmax, as the kernels do). Only the chunk in flight is copied. The new tokens (a decode step, a verify
+chain or tree, a draft block, or a whole prompt) are scored in query blocks of `query_block` rows; under
+`causal=True` a block skips the keys after its last row, so a prefill does about half of the T^2 work and
+never holds a [T, T] score matrix for long prompts.
 
 Masking is by `where`, never by arithmetic on stale slots: a stale slot may hold anything (NaN included)
 and its value is replaced by zero before it meets a probability.
@@ -27,6 +27,7 @@ from pallas_kernels.tree_attention.reference import (
     MASK_VALUE,
     check_inputs,
     default_scale,
+    log_sum_exp,
     new_token_visibility,
     query_positions,
 )
@@ -44,7 +45,8 @@ def chunk_size(slots: int, t: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "causal", "query_block")
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "causal", "query_block", "return_lse"),
 )
 def tree_attention_chunked(
     q: jax.Array,
@@ -61,18 +63,20 @@ def tree_attention_chunked(
     q_positions: jax.Array | None = None,
     causal: bool = False,
     query_block: int = 256,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`tree_attention_reference` with work proportional to the filled prefix (see the module doc).
 
     Args:
       q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, sm_scale, sliding_window, logit_soft_cap,
-        q_positions: as in `tree_attention_reference`.
+        q_positions, return_lse: as in `tree_attention_reference`.
       causal: static promise that tree_mask[b, i, j] is False for j > i (prefill and chains; trees in
         topological order too). Query blocks then skip the new keys after their last row.
       query_block: new tokens per query block.
 
     Returns:
-      [B, T, N, H] attention output in q's dtype (fp32 accumulation); rows that see no key are zero.
+      [B, T, N, H] attention output in q's dtype (fp32 accumulation); rows that see no key are zero. With
+      return_lse also the [B, T, N] fp32 log-sum-exp.
     """
     check_inputs(
         q,
@@ -88,7 +92,7 @@ def tree_attention_chunked(
         logit_soft_cap=logit_soft_cap,
     )
     b, t, n, h = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    kv, s = k_cache.shape[1], k_cache.shape[2]
     g = n // kv
     cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, s)
     positions = query_positions(cache_len, t, q_positions)  # [B, T]
@@ -109,28 +113,29 @@ def tree_attention_chunked(
 
     new_vis = new_token_visibility(tree_mask, positions, sliding_window)  # [B, T, U]
     kn, vn = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
-    outs = []
+    outs, lses = [], []
     for lo in range(0, t, query_block):
         hi = min(t, lo + query_block)
         keys = hi if causal or tree_mask is None else t  # new keys this block can see
         state = (m[:, lo:hi], denom[:, lo:hi], acc[:, lo:hi])
         scores = cap(jnp.einsum("BTKGH,BUKH->BTKGU", qf[:, lo:hi], kn[:, :keys], precision=_HI))
         vis = new_vis[:, lo:hi, None, None, :keys]  # [B, Tq, 1, 1, U]
-        _, lb, accb = online_update(state, scores, vis, vn[:, :keys], "BTKGU,BUKH->BTKGH")
+        mb, lb, accb = online_update(state, scores, vis, vn[:, :keys], "BTKGU,BUKH->BTKGH")
         outs.append(accb * jnp.where(lb > 0, 1.0 / jnp.where(lb > 0, lb, 1.0), 0.0)[..., None])
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)  # [B, T, K, G, H]
-    return out.reshape(b, t, n, h).astype(q.dtype)
+        lses.append(log_sum_exp(mb, lb))
+    out = jnp.concatenate(outs, axis=1).reshape(b, t, n, h).astype(q.dtype)  # from [B, T, K, G, H]
+    return (out, jnp.concatenate(lses, axis=1).reshape(b, t, n)) if return_lse else out
 
 
 def _chunk_loop(k_cache, v_cache, cache_len, positions, sliding_window, c, chunk_body, state):
     """Runs chunk_body(state, kc, vc, vis) over the chunks from the window's first visible one to the one
-    holding the longest row's last filled slot; kc, vc [B, C, K, H] fp32 (stale slots of vc zeroed),
+    holding the longest row's last filled slot; kc, vc [B, K, C, H] fp32 (stale slots of vc zeroed),
     vis [B, T, C] the slots each query sees.
 
     A chunk that would run past the end of the cache is moved back to end there (dynamic_slice clamps);
     its slots already covered by the previous chunk are masked, so every slot counts once.
     """
-    s = k_cache.shape[1]
+    s = k_cache.shape[2]
     first = 0
     if sliding_window is not None:  # slots before this are outside every query's window
         first = jnp.maximum(jnp.min(positions) - sliding_window + 1, 0) // c
@@ -138,14 +143,14 @@ def _chunk_loop(k_cache, v_cache, cache_len, positions, sliding_window, c, chunk
 
     def body(i, state):
         start = jnp.minimum(i * c, s - c)
-        kc = jax.lax.dynamic_slice_in_dim(k_cache, start, c, axis=1).astype(jnp.float32)  # [B, C, K, H]
-        vc = jax.lax.dynamic_slice_in_dim(v_cache, start, c, axis=1).astype(jnp.float32)
+        kc = jax.lax.dynamic_slice_in_dim(k_cache, start, c, axis=2).astype(jnp.float32)  # [B, K, C, H]
+        vc = jax.lax.dynamic_slice_in_dim(v_cache, start, c, axis=2).astype(jnp.float32)
         slots = start + jnp.arange(c, dtype=jnp.int32)  # [C]
         filled = (slots[None, :] >= i * c) & (slots[None, :] < cache_len[:, None])  # [B, C]
         vis = filled[:, None, :]  # [B, 1 or T, C]
         if sliding_window is not None:
             vis = vis & (positions[:, :, None] - slots[None, None, :] < sliding_window)
-        vc = jnp.where(filled[:, :, None, None], vc, 0.0)  # stale slots may hold NaN
+        vc = jnp.where(filled[:, None, :, None], vc, 0.0)  # stale slots may hold NaN
         return chunk_body(state, kc, vc, vis)
 
     return jax.lax.fori_loop(first, last, body, state)
@@ -155,61 +160,46 @@ def _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, sta
     """Online softmax of queries qf [B, T, K, G, H] over the filled cache, chunk by chunk."""
 
     def chunk_body(state, kc, vc, vis):
-        scores = cap(jnp.einsum("BTKGH,BCKH->BTKGC", qf, kc, precision=_HI))
-        return online_update(state, scores, vis[:, :, None, None, :], vc, "BTKGC,BCKH->BTKGH")
+        scores = cap(jnp.einsum("BTKGH,BKCH->BTKGC", qf, kc, precision=_HI))
+        return online_update(state, scores, vis[:, :, None, None, :], vc, "BTKGC,BKCH->BTKGH")
 
-    c = chunk_size(k_cache.shape[1], positions.shape[1])
+    c = chunk_size(k_cache.shape[2], positions.shape[1])
     return _chunk_loop(k_cache, v_cache, cache_len, positions, sliding_window, c, chunk_body, state)
 
 
 def _prefix_single_query(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, state):
-    """`_prefix` for one query per row (a decode step), without transposing any chunk.
-
-    The general einsums batch over (row, kv head), which makes XLA transpose each [B, C, K, H] chunk of
-    K and V to [B, K, C, H]. Here a chunk is read as [B, C, K * H] against a block-diagonal query matrix
-    [B, K * H, K * G] (zero off its kv-head blocks), so both products are plain batched matmuls over the
-    row: K times the multiplies, one read of the chunk (1.9x faster at batch 64 on a 2-core CPU). The
-    accumulator keeps the K x K blocks of P V and only the diagonal ones are kept at the end.
-    """
-    b, _, kv, g, h = qf.shape
-    eye = jnp.eye(kv, dtype=jnp.float32)  # [K, K]
-    q_block = jnp.einsum("BKGH,KJ->BKHJG", qf[:, 0], eye).reshape(b, kv * h, kv * g)  # [B, K * H, K * G]
+    """`_prefix` for one query per row (a decode step): the state and scores drop the query axis, so both
+    products are batched matmuls over (row, kv head) on head-major chunks, and chunks are 32 slots."""
 
     def chunk_body(state, kc, vc, vis):
-        c = kc.shape[1]
-        scores = cap(jnp.einsum("BCX,BXY->BCY", kc.reshape(b, c, kv * h), q_block, precision=_HI))
-        # state: [B, K * G], [B, K * G], [B, K * G, K * H]; the softmax runs over the chunk's axis 1.
-        return online_update(state, scores, vis[:, 0, :, None], vc.reshape(b, c, kv * h), "BCY,BCX->BYX", 1)
+        scores = cap(jnp.einsum("BKGH,BKCH->BKGC", qf[:, 0], kc, precision=_HI))
+        return online_update(state, scores, vis[:, :, None, :], vc, "BKGC,BKCH->BKGH")
 
-    m, denom, acc = (x.reshape(b, kv * g, *x.shape[4:]) for x in state)
-    acc = jnp.tile(acc, (1, 1, kv))  # [B, K * G, K * H]: the off-diagonal blocks start at zero too
-    c = chunk_size(k_cache.shape[1], 1)
+    c = chunk_size(k_cache.shape[2], 1)
     m, denom, acc = _chunk_loop(
-        k_cache, v_cache, cache_len, positions, sliding_window, c, chunk_body, (m, denom, acc)
+        k_cache, v_cache, cache_len, positions, sliding_window, c, chunk_body, tuple(x[:, 0] for x in state)
     )
-    acc = jnp.einsum("BKGJH,KJ->BKGH", acc.reshape(b, kv, g, kv, h), eye)  # the diagonal blocks
-    return m.reshape(b, 1, kv, g), denom.reshape(b, 1, kv, g), acc[:, None]
+    return m[:, None], denom[:, None], acc[:, None]
 
 
-def online_update(state, scores, visible, values, mix, axis=-1):
+def online_update(state, scores, visible, values, mix):
     """One online-softmax step: folds scores (visible where `visible`) into the state.
 
     Args:
       state: (running max, running denominator, running numerator): the max and denominator have the
-        scores' shape without `axis`, the numerator one more trailing dimension.
-      scores: the logits of one block of keys, the keys along `axis`.
+        scores' shape without its last axis, the numerator one more trailing dimension.
+      scores: the logits of one block of keys, the keys along the last axis.
       visible: bool, broadcastable to scores.
       values: the block's values, mixed with the probabilities by the einsum `mix`.
       mix: einsum from (probabilities, values) to the numerator's shape.
-      axis: the keys' axis of scores.
 
     Returns:
       The updated state.
     """
     m, denom, acc = state
     scores = jnp.where(visible, scores, MASK_VALUE)
-    m_new = jnp.maximum(m, scores.max(axis=axis))
-    p = jnp.where(visible, jnp.exp(scores - jnp.expand_dims(m_new, axis)), 0.0)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
     rescale = jnp.exp(m - m_new)
     acc = acc * rescale[..., None] + jnp.einsum(mix, p, values, precision=_HI)
-    return m_new, denom * rescale + p.sum(axis=axis), acc
+    return m_new, denom * rescale + p.sum(axis=-1), acc

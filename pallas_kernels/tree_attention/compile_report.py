@@ -29,8 +29,8 @@ def abstract_inputs(batch, n, slots, heads, kv_heads, head_dim, dtype, with_mask
     s = jax.ShapeDtypeStruct
     args = [
         s((batch, n, heads, head_dim), dtype),
-        s((batch, slots, kv_heads, head_dim), dtype),
-        s((batch, slots, kv_heads, head_dim), dtype),
+        s((batch, kv_heads, slots, head_dim), dtype),
+        s((batch, kv_heads, slots, head_dim), dtype),
         s((batch,), jnp.int32),
         s((batch, n, kv_heads, head_dim), dtype),
         s((batch, n, kv_heads, head_dim), dtype),

@@ -122,8 +122,8 @@ def _tree_attention_kernel(
     k_new_ref,  # [u_pad, H]: keys of the new tokens (zero padded)
     v_new_ref,  # [u_pad, H]: values of the new tokens
     *refs,  # words [block_q / word_rows, u_pad] int32 (a given mask); qpos [block_q], kpos [u_pad] int32
-    # (sliding window; kpos for the causal form only); outputs: o [block_q, H], or with splits the
-    # partial acc [block_q, H], m and l [block_q] f32
+    # (sliding window; kpos for the causal form only); outputs: o [block_q, H] (and with_lse the
+    # log-sum-exp [block_q] f32), or with splits the partial acc [block_q, H], m and l [block_q] f32
     sm_scale: float,
     logit_soft_cap: float | None,
     sliding_window: int | None,
@@ -131,6 +131,7 @@ def _tree_attention_kernel(
     group: int,
     word_rows: int,
     splits: int,
+    with_lse: bool,
 ):
     refs = list(refs)
     words_ref = refs.pop(0) if word_rows else None
@@ -217,9 +218,11 @@ def _tree_attention_kernel(
     carry = jax.lax.fori_loop(jnp.maximum(lo, u1), hi, masked, carry)
     acc, m, denom = carry
     if splits == 1:
-        (o_ref,) = refs
+        o_ref = refs[0]
         inv = jnp.where(denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0)  # all-masked rows -> 0
         o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+        if with_lse:
+            refs[1][...] = ref_lib.log_sum_exp(m, denom)
     else:
         acc_ref, m_ref, l_ref = refs
         acc_ref[...] = acc
@@ -227,20 +230,29 @@ def _tree_attention_kernel(
         l_ref[...] = denom
 
 
-def merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, dtype) -> jax.Array:
+def merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Log-sum-exp merge of split partials: acc [..., P, R, H], m and denom [..., P, R] (P splits; m is
-    -inf for a split that saw nothing) -> [..., R, H] in `dtype`; rows that see nothing are zero."""
+    -inf for a split that saw nothing) -> ([..., R, H] in `dtype`, rows that see nothing zero; the rows'
+    log-sum-exp [..., R] fp32)."""
     m_max = jnp.max(m, axis=-2, keepdims=True)
-    weight = jnp.exp(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0))  # [..., P, R]
+    top = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
+    weight = jnp.exp(m - top)  # [..., P, R]
     total = jnp.sum(weight * denom, axis=-2)  # [..., R]
     out = jnp.sum(weight[..., None] * acc, axis=-3)  # [..., R, H]
     inv = jnp.where(total > 0.0, 1.0 / jnp.where(total > 0.0, total, 1.0), 0.0)
-    return (out * inv[..., None]).astype(dtype)
+    return (out * inv[..., None]).astype(dtype), ref_lib.log_sum_exp(top[..., 0, :], total)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "block_sizes", "interpret"),
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "logit_soft_cap",
+        "block_sizes",
+        "interpret",
+        "return_lse",
+    ),
 )
 def tree_attention_gpu(
     q: jax.Array,
@@ -257,12 +269,13 @@ def tree_attention_gpu(
     q_positions: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Prefix + tree attention on GPU (Triton); same contract as `tree_attention_reference`.
 
     Args:
       q: [B, T, N, H] queries; H a power of two.
-      k_cache, v_cache: [B, S, K, H] cache (S >= 1); slots >= cache_len are never read.
+      k_cache, v_cache: [B, K, S, H] cache (S >= 1); slots >= cache_len are never read.
       cache_len: [B] int valid prefix length per row.
       k_new, v_new: [B, T, K, H] keys/values of the new tokens.
       tree_mask: [B, T, T] bool, query i may see new token j; None = causal by index (j <= i).
@@ -272,9 +285,10 @@ def tree_attention_gpu(
       q_positions: [B, T] int positions of the new tokens; default cache_len[:, None] + arange(T).
       block_sizes: tile sizes and launch settings; default `BlockSizes()`.
       interpret: run the kernel in Pallas interpret mode (CPU).
+      return_lse: also return the [B, T, N] fp32 log-sum-exp (see `tree_attention_reference`).
 
     Returns:
-      [B, T, N, H] attention output in q's dtype.
+      [B, T, N, H] attention output in q's dtype (and the log-sum-exp with return_lse).
     """
     ref_lib.check_inputs(
         q,
@@ -293,7 +307,7 @@ def tree_attention_gpu(
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"block_sizes for the gpu backend must be gpu.BlockSizes, got {type(bs).__name__}")
     b, t, n, h = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    kv, s = k_cache.shape[1], k_cache.shape[2]
     g = n // kv
     if not _is_pow2(h) or h < _MIN_DOT:
         raise ValueError(f"the gpu backend needs head_dim to be a power of two >= 16, got {h}")
@@ -326,7 +340,7 @@ def tree_attention_gpu(
     kn, vn = jnp.pad(k_new, pad_u), jnp.pad(v_new, pad_u)
 
     q_spec = pl.BlockSpec((None, None, block_q, h), lambda bi, hi, qi, si: (bi, hi, qi, 0))
-    cache_spec = pl.BlockSpec((None, s_pad, None, h), lambda bi, hi, qi, si: (bi, 0, hi, 0))
+    cache_spec = pl.BlockSpec((None, None, s_pad, h), lambda bi, hi, qi, si: (bi, hi, 0, 0))
     new_spec = pl.BlockSpec((None, u_pad, None, h), lambda bi, hi, qi, si: (bi, 0, hi, 0))
     in_specs = [
         pl.BlockSpec((None, 8), lambda bi, hi, qi, si: (bi, 0)),
@@ -351,6 +365,9 @@ def tree_attention_gpu(
     if splits == 1:
         out_specs = q_spec
         out_shape = jax.ShapeDtypeStruct(q_packed.shape, q.dtype)
+        if return_lse:
+            out_specs = [q_spec, pl.BlockSpec((None, None, block_q), lambda bi, hi, qi, si: (bi, hi, qi))]
+            out_shape = [out_shape, jax.ShapeDtypeStruct((b, kv, rows_pad), jnp.float32)]
     else:
         parts = (b, kv, splits, rows_pad)
         out_specs = [
@@ -372,6 +389,7 @@ def tree_attention_gpu(
         group=g,
         word_rows=word_rows,
         splits=splits,
+        with_lse=return_lse,
     )
     out = pl.pallas_call(
         kernel,
@@ -383,6 +401,11 @@ def tree_attention_gpu(
         interpret=interpret,
         name="tree_attention_gpu",
     )(*operands)
+    lse = None
     if splits > 1:
-        out = merge_splits(*out, q.dtype)  # [B, K, rows_pad, H]
-    return ref_lib.unpack_queries(out, t, n)
+        out, lse = merge_splits(*out, q.dtype)  # [B, K, rows_pad, H], [B, K, rows_pad]
+    elif return_lse:
+        out, lse = out
+    if not return_lse:
+        return ref_lib.unpack_queries(out, t, n)
+    return ref_lib.unpack_queries(out, t, n), ref_lib.unpack_row_stats(lse, t, n)

@@ -34,6 +34,7 @@ def resolve_backend(backend: str) -> str:
         "interpret",
         "block_sizes",
         "causal",
+        "return_lse",
     ),
 )
 def tree_attention(
@@ -53,7 +54,8 @@ def tree_attention(
     interpret=False,
     block_sizes: tpu.BlockSizes | gpu.BlockSizes | None = None,
     causal: bool = False,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of n new tokens to a cached prefix and to each other under a tree mask.
 
     The verification step of speculative decoding: every node of a draft tree (or chain) attends to the
@@ -65,8 +67,9 @@ def tree_attention(
 
     Args:
       q: [B, T, N, H] queries.
-      k_cache: [B, S, K, H] cached keys; slot j has absolute position j; slots >= cache_len are never read.
-      v_cache: [B, S, K, H] cached values.
+      k_cache: [B, K, S, H] cached keys (head-major); slot j has absolute position j; slots >= cache_len
+        are never read.
+      v_cache: [B, K, S, H] cached values.
       cache_len: [B] int valid prefix length per row.
       k_new: [B, T, K, H] keys of the new tokens.
       v_new: [B, T, K, H] values of the new tokens.
@@ -85,9 +88,13 @@ def tree_attention(
       block_sizes: `tpu.BlockSizes` / `gpu.BlockSizes` for the matching backend; None = defaults.
       causal: static promise that tree_mask[b, i, j] is False for j > i (prompts, chains, trees in
         topological order); the chunked backend then skips the keys after each query block.
+      return_lse: also return each query's log-sum-exp over the keys it sees, [B, T, N] fp32 (-inf for
+        none), so that a caller can merge this attention with attention over other keys
+        (`reference.merge_partials`; the shared-prefix attention does).
 
     Returns:
-      [B, T, N, H] attention output in q's dtype (fp32 accumulation); rows that see no key are zero.
+      [B, T, N, H] attention output in q's dtype (fp32 accumulation); rows that see no key are zero. With
+      return_lse, (output, log-sum-exp).
     """
     check_inputs(
         q,
@@ -109,6 +116,7 @@ def tree_attention(
         sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap,
         q_positions=q_positions,
+        return_lse=return_lse,
     )
     if resolved == "reference":
         return tree_attention_reference(*args, **options)
@@ -116,7 +124,7 @@ def tree_attention(
         return tree_attention_chunked(*args, **options, causal=causal)
     if resolved == "tpu":
         return tpu.tree_attention_tpu(*args, **options, block_sizes=block_sizes, interpret=interpret)
-    if k_cache.shape[1] == 0:  # an empty cache (prefill): the GPU kernel tiles over at least one slot
-        pad = ((0, 0), (0, 1), (0, 0), (0, 0))
+    if k_cache.shape[2] == 0:  # an empty cache (prefill): the GPU kernel tiles over at least one slot
+        pad = ((0, 0), (0, 0), (0, 1), (0, 0))
         args = (q, jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), jnp.zeros_like(cache_len), *args[4:])
     return gpu.tree_attention_gpu(*args, **options, block_sizes=block_sizes, interpret=bool(interpret))

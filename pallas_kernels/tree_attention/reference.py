@@ -26,7 +26,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "return_lse"))
 def tree_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -40,7 +40,8 @@ def tree_attention_reference(
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
     q_positions: jax.Array | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of new tokens to a cached prefix and to each other (tree mask), accumulated in fp32.
 
     Per row b, query token t and head n (kv head k = n // G):
@@ -54,8 +55,8 @@ def tree_attention_reference(
 
     Args:
       q: [B, T, N, H] queries.
-      k_cache: [B, S, K, H] cached keys; slot j has absolute position j.
-      v_cache: [B, S, K, H] cached values.
+      k_cache: [B, K, S, H] cached keys (head-major); slot j has absolute position j.
+      v_cache: [B, K, S, H] cached values.
       cache_len: [B] int valid prefix length per row (clipped to [0, S]).
       k_new: [B, T, K, H] keys of the new tokens.
       v_new: [B, T, K, H] values of the new tokens.
@@ -66,9 +67,11 @@ def tree_attention_reference(
       logit_soft_cap: c in c * tanh(logits / c), applied after scaling.
       q_positions: [B, T] int absolute positions of the new tokens (queries and new keys alike);
         default cache_len[:, None] + arange(T).
+      return_lse: also return each query's log-sum-exp of its visible logits.
 
     Returns:
-      [B, T, N, H] attention output in q's dtype.
+      [B, T, N, H] attention output in q's dtype; with return_lse also [B, T, N] fp32 log-sum-exp (-inf
+      for a query that sees no key), to merge with attention over other keys (`merge_partials`).
     """
     check_inputs(
         q,
@@ -84,14 +87,14 @@ def tree_attention_reference(
         logit_soft_cap=logit_soft_cap,
     )
     b, t, n, h = q.shape
-    s, kv = k_cache.shape[1], k_cache.shape[2]
+    kv, s = k_cache.shape[1], k_cache.shape[2]
     g = n // kv
     scale = default_scale(h, sm_scale)
     cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, s)
     positions = query_positions(cache_len, t, q_positions)
     hi = jax.lax.Precision.HIGHEST
     qf = q.astype(jnp.float32).reshape(b, t, kv, g, h)
-    s_cache = jnp.einsum("BTKGH,BSKH->BKGTS", qf, k_cache.astype(jnp.float32), precision=hi) * scale
+    s_cache = jnp.einsum("BTKGH,BKSH->BKGTS", qf, k_cache.astype(jnp.float32), precision=hi) * scale
     s_new = jnp.einsum("BTKGH,BUKH->BKGTU", qf, k_new.astype(jnp.float32), precision=hi) * scale
     if logit_soft_cap is not None:
         s_cache = logit_soft_cap * jnp.tanh(s_cache / logit_soft_cap)
@@ -116,12 +119,16 @@ def tree_attention_reference(
     denom = p_cache.sum(axis=-1) + p_new.sum(axis=-1)  # [B, K, G, T]
 
     # Stale slots may hold anything; 0 * NaN would poison the sum, so zero them.
-    v_cache_f = jnp.where(in_cache[:, :, None, None], v_cache.astype(jnp.float32), 0.0)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", p_cache, v_cache_f, precision=hi)
+    v_cache_f = jnp.where(in_cache[:, None, :, None], v_cache.astype(jnp.float32), 0.0)
+    out = jnp.einsum("BKGTS,BKSH->BTKGH", p_cache, v_cache_f, precision=hi)
     out = out + jnp.einsum("BKGTU,BUKH->BTKGH", p_new, v_new.astype(jnp.float32), precision=hi)
     denom = jnp.moveaxis(denom, 3, 1)[..., None]  # [B, T, K, G, 1]
     out = out * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    out = out.reshape(b, t, n, h).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = log_sum_exp(jnp.moveaxis(m[..., 0], 3, 1), denom[..., 0])  # [B, T, K, G]
+    return out, lse.reshape(b, t, n)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -175,9 +182,9 @@ def check_inputs(
     b, t, n, h = q.shape
     if k_cache.ndim != 4 or k_cache.shape[0] != b or k_cache.shape[3] != h:
         raise ValueError(
-            f"k_cache must be [batch={b}, max_len, num_kv_heads, head_dim={h}], got shape {k_cache.shape}"
+            f"k_cache must be [batch={b}, num_kv_heads, max_len, head_dim={h}], got shape {k_cache.shape}"
         )
-    kv = k_cache.shape[2]
+    kv = k_cache.shape[1]
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {v_cache.shape} must equal k_cache shape {k_cache.shape}")
     if kv == 0 or n % kv:
@@ -239,6 +246,30 @@ def unpack_queries(packed: jax.Array, t: int, num_heads: int) -> jax.Array:
     g = num_heads // kv
     out = packed[:, :, : t * g].reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, num_heads, h)
+
+
+def unpack_row_stats(packed: jax.Array, t: int, num_heads: int) -> jax.Array:
+    """`unpack_queries` for one number per packed row: [B, K, rows_pad] -> [B, T, N]."""
+    b, kv, _ = packed.shape
+    g = num_heads // kv
+    return packed[:, :, : t * g].reshape(b, kv, t, g).transpose(0, 2, 1, 3).reshape(b, t, num_heads)
+
+
+def log_sum_exp(m: jax.Array, denom: jax.Array) -> jax.Array:
+    """The log-sum-exp m + log(denom) of an online softmax's running max and denominator (-inf where the
+    denominator is 0: no key seen)."""
+    return jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b) -> jax.Array:
+    """Attention over the union of two disjoint key sets from each set's normalized output [..., H] and
+    log-sum-exp [...] (-inf: no key seen): the log-sum-exp merge, in fp32."""
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    wa, wb = jnp.exp(lse_a - top), jnp.exp(lse_b - top)  # [...]
+    total = wa + wb
+    out = wa[..., None] * out_a.astype(jnp.float32) + wb[..., None] * out_b.astype(jnp.float32)
+    return out * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
 
 
 def row_positions(positions: jax.Array, group: int, rows_pad: int) -> jax.Array:

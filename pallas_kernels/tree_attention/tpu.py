@@ -17,10 +17,10 @@ prefill skips the chunks above its diagonal, and scores the chunks below it with
 The new-token mask is never a dense array (see masks.py): causal by index (`tree_mask=None`) it is an iota
 comparison; any other mask arrives as bit words, one bit per (packed row, key), expanded in the kernel.
 
-Layout: one KV head per block, the cache viewed as [B, K, S, H] (for head_dim 64 a 64-lane block is the
-array's whole last dim, so no head is padded to a wider block and no work is multiplied). The transpose is
-one copy of the cache per call, as the former [B, S, K * H] view was in the TPU's tiled HBM layout (tests/aot
-measures it); a cache stored [B, K, S, H] would avoid both.
+Layout: the cache is stored head-major, [B, K, S, H], and a block is one KV head's [block_kv, H] tile (for
+head_dim 64 a 64-lane block is the array's whole last dim, so no head is padded to a wider block and no work
+is multiplied). The kernel reads the cache where it lies: no transposing copy around the call (tests/aot
+checks the compiled verify's bytes accessed).
 
 VMEM: the wrapper estimates the kernel's VMEM need from its blocks, halves the query tile while it exceeds
 the budget, and passes the estimate (with headroom) as Mosaic's `vmem_limit_bytes`.
@@ -147,10 +147,12 @@ def _tree_attention_kernel(
     num_q_tiles: int,
     group: int,
     word_rows: int,
+    with_lse: bool,
 ):
     # Inputs, in order: q [block_q, H]; with a prefix k, v [block_kv, H]; k_new, v_new [chunk, H]; with a
     # dense mask its words [block_q / word_rows, chunk]; with a window qpos [block_q, 1] and, for the causal
-    # form, kpos [1, chunk]. Then o [block_q, H] and scratch m, l [block_q, 128], acc [block_q, H] f32.
+    # form, kpos [1, chunk]. Then o [block_q, H], with_lse the log-sum-exp [block_q, 128] (lane-replicated),
+    # and scratch m, l [block_q, 128], acc [block_q, H] f32.
     refs = list(refs)
     q_ref = refs.pop(0)
     k_ref, v_ref = (refs.pop(0), refs.pop(0)) if num_kv_tiles else (None, None)
@@ -158,7 +160,8 @@ def _tree_attention_kernel(
     words_ref = refs.pop(0) if word_rows else None
     qpos_ref = refs.pop(0) if sliding_window is not None else None
     kpos_ref = refs.pop(0) if sliding_window is not None and not word_rows else None
-    o_ref, m_ref, l_ref, acc_ref = refs
+    o_ref, lse_ref = refs.pop(0), refs.pop(0) if with_lse else None
+    m_ref, l_ref, acc_ref = refs
     block_q, head_dim = q_ref.shape
     chunk_keys = k_new_ref.shape[0]
     b, qb, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -253,11 +256,20 @@ def _tree_attention_kernel(
         denom = l_ref[...]
         inv = jnp.where(denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0)  # all-masked rows -> 0
         o_ref[...] = (acc_ref[...] * lanes(inv)).astype(o_ref.dtype)
+        if with_lse:
+            lse_ref[...] = ref_lib.log_sum_exp(m_ref[...], denom)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "block_sizes", "interpret"),
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "logit_soft_cap",
+        "block_sizes",
+        "interpret",
+        "return_lse",
+    ),
 )
 def tree_attention_tpu(
     q: jax.Array,
@@ -274,12 +286,13 @@ def tree_attention_tpu(
     q_positions: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret=False,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Prefix + tree attention on TPU; same contract as `tree_attention_reference`.
 
     Args:
       q: [B, T, N, H] queries.
-      k_cache, v_cache: [B, S, K, H] cache (S may be 0); slots >= cache_len are never read.
+      k_cache, v_cache: [B, K, S, H] cache (S may be 0); slots >= cache_len are never read.
       cache_len: [B] int valid prefix length per row.
       k_new, v_new: [B, T, K, H] keys/values of the new tokens.
       tree_mask: [B, T, T] bool, query i may see new token j; None = causal by index (j <= i).
@@ -290,9 +303,10 @@ def tree_attention_tpu(
       block_sizes: tile sizes; default `BlockSizes()`.
       interpret: False (compile with Mosaic), True (TPU interpreter, pltpu.InterpretParams()) or an
         explicit `pltpu.InterpretParams`.
+      return_lse: also return the [B, T, N] fp32 log-sum-exp (see `tree_attention_reference`).
 
     Returns:
-      [B, T, N, H] attention output in q's dtype.
+      [B, T, N, H] attention output in q's dtype (and the log-sum-exp with return_lse).
     """
     ref_lib.check_inputs(
         q,
@@ -311,19 +325,19 @@ def tree_attention_tpu(
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"block_sizes for the tpu backend must be tpu.BlockSizes, got {type(bs).__name__}")
     b, t, n, h = q.shape
-    kv = k_cache.shape[2]
+    kv = k_cache.shape[1]
     g = n // kv
     itemsize = jnp.dtype(q.dtype).itemsize
     sublanes = 8 * max(1, 4 // itemsize)  # native (sublane, lane) tile: f32 8, bf16 16
-    cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[1])
+    cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[2])
     positions = ref_lib.query_positions(cache_len, t, q_positions)
-    if 0 < k_cache.shape[1] < sublanes:
+    if 0 < k_cache.shape[2] < sublanes:
         # A one-slot KV tile makes Mosaic lower q @ k.T as a matrix-vector product, whose bf16 path fails
         # verification (vector.broadcast bf16 -> f32); tiny caches are padded to a native tile instead.
         # The padding is beyond cache_len: never read.
-        pad_s = ((0, 0), (0, sublanes - k_cache.shape[1]), (0, 0), (0, 0))
+        pad_s = ((0, 0), (0, 0), (0, sublanes - k_cache.shape[2]), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, pad_s), jnp.pad(v_cache, pad_s)
-    s = k_cache.shape[1]
+    s = k_cache.shape[2]
     causal = tree_mask is None
     windowed = sliding_window is not None
     tiles = plan_tiles(t, g, s, h, q.dtype, bs, causal=causal, windowed=windowed)
@@ -369,7 +383,7 @@ def tree_attention_tpu(
     if num_kv_tiles:
         kv_spec = pl.BlockSpec((None, None, block_kv, h), kv_index)
         in_specs += [kv_spec, kv_spec]
-        operands += [jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)]  # [B, K, S, H]
+        operands += [k_cache, v_cache]  # [B, K, S, H]
     pad_u = ((0, 0), (0, u_pad - t), (0, 0), (0, 0))
     new_spec = pl.BlockSpec((None, None, chunk, h), new_index)
     in_specs += [new_spec, new_spec]
@@ -393,6 +407,7 @@ def tree_attention_tpu(
         num_q_tiles=num_q_tiles,
         group=g,
         word_rows=word_rows,
+        with_lse=return_lse,
     )
     new_pairs = t * (t + 1) // 2 if causal else t * t  # (query, new key) pairs scored, at most
     cost = pl.CostEstimate(
@@ -400,20 +415,27 @@ def tree_attention_tpu(
         transcendentals=b * n * (t * s + new_pairs),
         bytes_accessed=(2 * b * s * kv * h + 2 * q.size + 2 * k_new.size) * itemsize,
     )
+    out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q_packed.shape, q.dtype)
+    if return_lse:
+        lse_spec = pl.BlockSpec((None, None, block_q, _LANES), lambda bi, hi, qb, j, *_: (bi, hi, qb, 0))
+        out_specs, out_shape = (
+            [q_spec, lse_spec],
+            [out_shape, jax.ShapeDtypeStruct((b, kv, rows_pad, _LANES), jnp.float32)],
+        )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b, kv, num_q_tiles, num_kv_tiles + num_chunks),
             in_specs=in_specs,
-            out_specs=q_spec,
+            out_specs=out_specs,
             scratch_shapes=[
                 pltpu.VMEM((block_q, _LANES), jnp.float32),
                 pltpu.VMEM((block_q, _LANES), jnp.float32),
                 pltpu.VMEM((block_q, h), jnp.float32),
             ],
         ),
-        out_shape=jax.ShapeDtypeStruct(q_packed.shape, q.dtype),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=tiles.vmem_limit_bytes,
@@ -422,4 +444,7 @@ def tree_attention_tpu(
         interpret=pltpu.InterpretParams() if interpret is True else interpret,
         name="tree_attention_tpu",
     )(bounds, plan, *operands)
-    return ref_lib.unpack_queries(out, t, n)
+    if not return_lse:
+        return ref_lib.unpack_queries(out, t, n)
+    out, lse = out
+    return ref_lib.unpack_queries(out, t, n), ref_lib.unpack_row_stats(lse[..., 0], t, n)

@@ -29,7 +29,7 @@ def target(tiny_checkpoint):
 def cache_copies(hlo: str, config) -> int:
     """Number of copy instructions whose result has a cache buffer's shape, not counting the one-time
     materialization of a zero-filled buffer (a copy of a broadcast, e.g. the drafter's empty cache)."""
-    shape = re.escape(f"f32[{BATCH},{SLOTS},{config.num_kv_heads},{config.head_dim}]")
+    shape = re.escape(f"f32[{BATCH},{config.num_kv_heads},{SLOTS},{config.head_dim}]")  # [B, K, S, H]
     return len(re.findall(rf"= {shape}\S* copy\(%(?!(wrapped_)?broadcast)", hlo))
 
 

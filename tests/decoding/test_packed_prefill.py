@@ -52,7 +52,7 @@ def run_prefill(target, drafter, packed):
 def assert_filled_slots_equal(a: KVCache, b: KVCache):
     for layer_a, layer_b in zip(a.k + a.v, b.k + b.v):
         for r, n in enumerate(LENGTHS):
-            np.testing.assert_allclose(layer_a[r, :n], layer_b[r, :n], atol=2e-5, rtol=2e-5)
+            np.testing.assert_allclose(layer_a[r, :, :n], layer_b[r, :, :n], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("arch", ["smollm2-like", "gemma3"])

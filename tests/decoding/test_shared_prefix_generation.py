@@ -150,7 +150,7 @@ def test_packed_prefill_equals_padded_prefill(target):
         for kind in ("k", "v"):
             got, want = getattr(packed.cache, kind)[layer], getattr(padded.cache, kind)[layer]
             for r in range(n):
-                close(got[r, : lens[r]], want[r, : lens[r]])
+                close(got[r, :, : lens[r]], want[r, :, : lens[r]])
             got, want = getattr(packed.cache.shared, kind)[layer], getattr(padded.cache.shared, kind)[layer]
             for g, plen in enumerate(np.asarray(padded.cache.shared.lengths)):
                 close(got[g, :, :plen], want[g, :, :plen])

@@ -62,11 +62,13 @@ def test_chunked_continues_a_prefilled_prompt():
     whole = make_inputs(13, n=96, cache_lens=[0], max_len=0, num_heads=4, num_kv_heads=2, head_dim=8,
                         dtype=jnp.float32)  # fmt: skip
     full = np.asarray(call(tree_attention_chunked, whole, causal=True, query_block=32))
+    head_major = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, K, H] -> the cache's [B, K, T, H]
+    pad_slots = ((0, 0), (0, 0), (0, 24), (0, 0))
     second = dict(
         whole,
         q=whole["q"][:, 40:],
-        k_cache=jnp.pad(whole["k_new"][:, :40], ((0, 0), (0, 24), (0, 0), (0, 0)), constant_values=np.nan),
-        v_cache=jnp.pad(whole["v_new"][:, :40], ((0, 0), (0, 24), (0, 0), (0, 0)), constant_values=np.nan),
+        k_cache=jnp.pad(head_major(whole["k_new"][:, :40]), pad_slots, constant_values=np.nan),
+        v_cache=jnp.pad(head_major(whole["v_new"][:, :40]), pad_slots, constant_values=np.nan),
         cache_len=jnp.asarray([40], jnp.int32),
         k_new=whole["k_new"][:, 40:],
         v_new=whole["v_new"][:, 40:],

@@ -61,7 +61,7 @@ def oracle(case):
 
     real = np.arange(t)[None, None, :] < np.asarray(lengths)[:, None, None]
     mask = np.tril(np.ones((t, t), bool))[None] & real  # [B, T, T] causal over each row's rest
-    empty = np.zeros((b, 0, kv, h), np.float32)
+    empty = np.zeros((b, kv, 0, h), np.float32)  # no own cache
     padded = shared_prefix_reference(
         unpack(case["q"]), case["prefix_k"], case["prefix_v"], case["prefix_len"], case["row_group"], empty,
         empty, np.zeros(b, np.int32), unpack(case["k"]), unpack(case["v"]), mask, h**-0.5,

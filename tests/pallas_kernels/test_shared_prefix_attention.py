@@ -3,8 +3,9 @@
 Groups of different sizes (with free places), ragged prefixes and own caches (empty ones included), chains
 and trees of new tokens, decode (one query) and prefill-like blocks; unread prefix and cache slots hold NaN,
 so any read of them shows. A mis-grouped layout (rows swapped between groups) must fail the same check.
-The Pallas prefix kernel: the same oracle in interpret mode, the prefix tiles its index map fetches (once
-per group and KV head), and lowering for TPU (Mosaic) and CUDA (Triton).
+The Pallas path (the prefix kernel for level 1, the tree kernel with its log-sum-exp for level 2): the same
+oracle in interpret mode on both platforms, the prefix tiles its index map fetches (once per group and KV
+head), and lowering for TPU (Mosaic) and CUDA (Triton).
 """
 
 import jax
@@ -21,18 +22,18 @@ from pallas_kernels.shared_prefix.traffic import decode_step_traffic, kv_bytes_p
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 
-def make_case(seed, groups, prefix_lens, cache_lens, t, heads, kv_heads, mask_kind, slots=40):
+def make_case(seed, groups, prefix_lens, cache_lens, t, heads, kv_heads, mask_kind, slots=40, h=8):
     """Random inputs for rows grouped as `groups` (lists of row indices)."""
     rng = np.random.default_rng(seed)
-    b, h = len(cache_lens), 8
+    b = len(cache_lens)
     prefix_k = rng.normal(size=(len(groups), kv_heads, 48, h)).astype(np.float32)
     prefix_v = rng.normal(size=prefix_k.shape).astype(np.float32)
     for g, plen in enumerate(prefix_lens):
         prefix_k[g, :, plen:], prefix_v[g, :, plen:] = np.nan, np.nan
-    k_cache = rng.normal(size=(b, slots, kv_heads, h)).astype(np.float32)
+    k_cache = rng.normal(size=(b, kv_heads, slots, h)).astype(np.float32)
     v_cache = rng.normal(size=k_cache.shape).astype(np.float32)
     for row, clen in enumerate(cache_lens):
-        k_cache[row, clen:], v_cache[row, clen:] = np.nan, np.nan
+        k_cache[row, :, clen:], v_cache[row, :, clen:] = np.nan, np.nan
     if mask_kind == "chain":
         mask = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
     else:  # a random tree per row in topological order: node i's parent is before it
@@ -108,20 +109,26 @@ def test_layout_rejects_overfull_groups():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The Pallas prefix kernel (level 1): interpret mode, tiles fetched, lowering for TPU and CUDA
+# The Pallas kernels (level 1 and 2): interpret mode, tiles fetched, lowering for TPU and CUDA
 # ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["decode-ragged-groups", "trees"])
-def test_prefix_kernel_equals_per_row_attention(case):
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+@pytest.mark.parametrize(
+    "case", [CASES[1], CASES[3], CASES[4]], ids=["decode-ragged-groups", "trees", "suffix-prefill"]
+)
+def test_pallas_levels_equal_per_row_attention(case, platform):
+    """Both levels as the platform's kernels (interpret mode): level 1 the prefix tiles, level 2 the tree
+    kernel with its log-sum-exp, merged; chains go in causal by index (new_mask=None)."""
     groups, prefix_lens, cache_lens, t, heads, kv_heads, mask = case
-    inputs = make_case(4, groups, prefix_lens, cache_lens, t, heads, kv_heads, mask)
+    inputs = make_case(4, groups, prefix_lens, cache_lens, t, heads, kv_heads, mask, h=16)  # GPU: H >= 16
     layout = GroupLayout.of_groups(groups, len(cache_lens), num_groups=len(groups), group_rows=4)
     args = {k: jnp.asarray(v) for k, v in inputs.items()}
+    new_mask = None if mask == "chain" else args["new_mask"]
     got = shared_prefix_attention(
         args["q"], args["prefix_k"], args["prefix_v"], args["prefix_len"], layout, args["k_cache"],
-        args["v_cache"], args["cache_len"], args["k_new"], args["v_new"], args["new_mask"],
-        sm_scale=0.3, causal=True, prefix_kernel="gpu", interpret=True,
+        args["v_cache"], args["cache_len"], args["k_new"], args["v_new"], new_mask,
+        sm_scale=0.3, causal=True, prefix_kernel=platform, interpret=True,
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), run_reference(inputs, np.asarray(layout.row_group)), **TOL)
 
@@ -155,8 +162,8 @@ def lowering_args(dtype):
         spec((2, kv, prefix_slots, h), dtype),
         spec((2,), jnp.int32),
         GroupLayout.of_groups([[0, 1, 2, 3], [4, 5, 6, 7]], b, 2, 4),
-        spec((b, slots, kv, h), dtype),
-        spec((b, slots, kv, h), dtype),
+        spec((b, kv, slots, h), dtype),
+        spec((b, kv, slots, h), dtype),
         spec((b,), jnp.int32),
         spec((b, t, kv, h), dtype),
         spec((b, t, kv, h), dtype),

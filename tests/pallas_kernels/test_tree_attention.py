@@ -6,6 +6,7 @@ The kernel cases are a chosen cover of the grid (n, cache lengths, tree shape, G
 window, soft cap, block sizes), not its cross product: interpret mode is slow.
 """
 
+import functools
 import zlib
 
 import jax
@@ -20,6 +21,7 @@ from pallas_kernels.tree_attention import (
     reference,
     resolve_backend,
     tree_attention,
+    tree_attention_chunked,
     tree_attention_gpu,
     tree_attention_reference,
     tree_attention_tpu,
@@ -65,10 +67,10 @@ def make_inputs(
     def normal(*shape):
         return rng.standard_normal(shape).astype(np.float32)
 
-    k_cache, v_cache = normal(b, max_len, num_kv_heads, head_dim), normal(b, max_len, num_kv_heads, head_dim)
+    k_cache, v_cache = normal(b, num_kv_heads, max_len, head_dim), normal(b, num_kv_heads, max_len, head_dim)
     for i, length in enumerate(cache_len):
-        k_cache[i, length:] = pad
-        v_cache[i, length:] = pad
+        k_cache[i, :, length:] = pad
+        v_cache[i, :, length:] = pad
     masks, positions = [], []
     for i in range(b):
         if tree == "chain":
@@ -103,17 +105,19 @@ def call(fn, inputs, **kwargs):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def dense_oracle(inputs, *, sm_scale=None, sliding_window=None, logit_soft_cap=None):
-    """Plain float64 softmax over concatenated [cache | new] keys with an explicit full boolean mask."""
+def dense_oracle(inputs, *, sm_scale=None, sliding_window=None, logit_soft_cap=None, with_lse=False):
+    """Plain float64 softmax over concatenated [cache | new] keys with an explicit full boolean mask (and
+    with_lse the [B, T, N] log-sum-exp of the visible logits, -inf where none is visible)."""
     q = np.asarray(inputs["q"], np.float64)
     k_cache, v_cache = np.asarray(inputs["k_cache"], np.float64), np.asarray(inputs["v_cache"], np.float64)
     k_new, v_new = np.asarray(inputs["k_new"], np.float64), np.asarray(inputs["v_new"], np.float64)
     cache_len, tree_mask = np.asarray(inputs["cache_len"]), np.asarray(inputs["tree_mask"])
     pos = np.asarray(inputs["q_positions"])
     b, n, num_heads, head_dim = q.shape
-    group = num_heads // k_cache.shape[2]
+    group = num_heads // k_cache.shape[1]
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     out = np.zeros_like(q)
+    lse = np.full(q.shape[:3], -np.inf)
     for bi in range(b):
         length = cache_len[bi]
         keys_pos = np.concatenate([np.arange(length), pos[bi]])
@@ -122,17 +126,19 @@ def dense_oracle(inputs, *, sm_scale=None, sliding_window=None, logit_soft_cap=N
             visible &= pos[bi][:, None] - keys_pos[None, :] < sliding_window
         for h in range(num_heads):
             kh = h // group
-            keys = np.concatenate([k_cache[bi, :length, kh], k_new[bi, :, kh]])
-            values = np.concatenate([v_cache[bi, :length, kh], v_new[bi, :, kh]])
+            keys = np.concatenate([k_cache[bi, kh, :length], k_new[bi, :, kh]])
+            values = np.concatenate([v_cache[bi, kh, :length], v_new[bi, :, kh]])
             logits = q[bi, :, h] @ keys.T * scale
             if logit_soft_cap is not None:
                 logits = logit_soft_cap * np.tanh(logits / logit_soft_cap)
             for t in range(n):
                 if not visible[t].any():
                     continue  # sees nothing: zeros
-                w = np.exp(logits[t][visible[t]] - logits[t][visible[t]].max())
+                top = logits[t][visible[t]].max()
+                w = np.exp(logits[t][visible[t]] - top)
                 out[bi, t, h] = (w / w.sum()) @ values[visible[t]]
-    return out
+                lse[bi, t, h] = top + np.log(w.sum())
+    return (out, lse) if with_lse else out
 
 
 @pytest.mark.parametrize(
@@ -326,6 +332,35 @@ def test_kernel_rows_that_see_nothing_are_zero(backend):
     np.testing.assert_allclose(got, want, atol=TOLERANCE[jnp.float32][0], rtol=TOLERANCE[jnp.float32][1])
 
 
+LSE_BACKENDS = {
+    "reference": tree_attention_reference,
+    "chunked": functools.partial(tree_attention_chunked, query_block=8),
+    "tpu": functools.partial(BACKENDS["tpu"], block_sizes=None),
+    "gpu": functools.partial(BACKENDS["gpu"], block_sizes=None),
+    "gpu_split": functools.partial(BACKENDS["gpu"], block_sizes=GpuBlockSizes(block_kv=16, kv_splits=3)),
+}
+
+
+@pytest.mark.parametrize("backend", list(LSE_BACKENDS))
+def test_log_sum_exp_matches_the_oracle(backend):
+    """return_lse: the output is unchanged and the log-sum-exp equals the float64 oracle's, -inf for a query
+    that sees nothing (row 0's empty cache with an empty mask row; the window hides row 1's cache)."""
+    inputs = make_inputs(
+        21, n=12, cache_lens=[0, 90], max_len=96, num_heads=4, num_kv_heads=2, head_dim=16, dtype=jnp.float32,
+        tree="random",
+    )  # fmt: skip
+    mask = np.array(inputs["tree_mask"])
+    mask[0, 3] = False
+    inputs["tree_mask"] = jnp.asarray(mask)
+    opts = dict(sliding_window=60, logit_soft_cap=25.0)
+    want_out, want_lse = dense_oracle(inputs, **opts, with_lse=True)
+    out, lse = call(LSE_BACKENDS[backend], inputs, **opts, return_lse=True)
+    assert lse.shape == inputs["q"].shape[:3] and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=TIGHT_FP32[0], rtol=TIGHT_FP32[1])
+    assert np.isneginf(want_lse[0, 3]).all() and np.isneginf(np.asarray(lse)[0, 3]).all()
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-5, rtol=1e-5)
+
+
 def runs_a_kernel(inputs, **kwargs) -> bool:
     """Whether the public op traces to a pallas_call (a kernel) rather than the jnp reference."""
     return "pallas_call" in str(jax.make_jaxpr(lambda x: call(tree_attention, x, **kwargs))(inputs))
@@ -364,7 +399,7 @@ def test_public_op_dispatch():
         (dict(k_new=jnp.zeros((1, 2, 2, 16))), "k_new must be"),
         (dict(tree_mask=jnp.ones((1, 3, 3), jnp.int32)), "tree_mask must be bool"),
         (dict(cache_len=jnp.zeros((2,), jnp.int32)), "cache_len must be"),
-        (dict(v_cache=jnp.zeros((1, 8, 2, 16), jnp.bfloat16)), "share one dtype"),
+        (dict(v_cache=jnp.zeros((1, 2, 8, 16), jnp.bfloat16)), "share one dtype"),
         (dict(q_positions=jnp.zeros((1, 4), jnp.int32)), "q_positions must be"),
     ],
 )
@@ -409,8 +444,8 @@ def export_args(dtype, head_dim, batch=2, n=16, max_len=1024, heads=8, kv_heads=
 
     return (
         spec((batch, n, heads, head_dim)),
-        spec((batch, max_len, kv_heads, head_dim)),
-        spec((batch, max_len, kv_heads, head_dim)),
+        spec((batch, kv_heads, max_len, head_dim)),
+        spec((batch, kv_heads, max_len, head_dim)),
         spec((batch,), jnp.int32),
         spec((batch, n, kv_heads, head_dim)),
         spec((batch, n, kv_heads, head_dim)),

@@ -50,7 +50,7 @@ def test_tiny_qwen3_with_8_kv_heads_on_data_model_and_both(tiny_checkpoint):
         assert split_dims(shards, "drafter:layers_0/mlp/down_proj/weight") == [1, model]
         assert split_dims(shards, "drafter:fc/weight") == [1, model]
         data = 8 // model
-        assert split_dims(shards, "cache:k0") == [data, 1, model, 1]  # rows over data, KV heads over model
+        assert split_dims(shards, "cache:k0") == [data, model, 1, 1]  # rows over data, KV heads over model
     shards = report["meshes"]["data=8"]["shards"]
     assert split_dims(shards, "target:layers_1/self_attn/q_proj/weight") == [1, 1]  # data parallel only
     assert split_dims(shards, "cache:k0") == [8, 1, 1, 1]

@@ -44,12 +44,12 @@ def test_copied_layer_projects_the_context_as_the_target_does(tiny_checkpoint, a
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 200, (1, 12)), jnp.int32)
     cache, tap, positions = _target_cache(target, tokens)
     ks, vs = module.apply(started, tap, positions, method=DFlashDrafter.context_kv)
-    np.testing.assert_allclose(vs[0], cache.v[1][:, :12], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(vs[0], jnp.swapaxes(cache.v[1], 1, 2)[:, :12], rtol=1e-5, atol=1e-5)
     if config.layers.arch == arch:  # layers of the target's kind: the copied keys are the target's
-        np.testing.assert_allclose(ks[0], cache.k[1][:, :12], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ks[0], jnp.swapaxes(cache.k[1], 1, 2)[:, :12], rtol=1e-5, atol=1e-5)
     else:  # Qwen3-kind layers on a Llama target: a k norm the target lacks, so only values match
         assert np.all(np.asarray(started["params"]["layers_0"]["self_attn"]["k_norm"]["weight"]) == 1.0)
-        assert np.abs(np.asarray(ks[0]) - np.asarray(cache.k[1][:, :12])).max() > 1e-3
+        assert np.abs(np.asarray(ks[0]) - np.asarray(jnp.swapaxes(cache.k[1], 1, 2)[:, :12])).max() > 1e-3
 
     source = target.params["params"]
     np.testing.assert_array_equal(

@@ -104,7 +104,8 @@ def per_anchor_hidden(proposer, params, target_params, features, blocks):
     num_seqs, max_len, _ = features.shape
     positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (num_seqs, max_len))
     ks, vs = proposer.module.apply(params, features, positions, method=DFlashDrafter.context_kv)
-    per_row = lambda x: jnp.repeat(x, blocks.anchors.shape[0] // num_seqs, axis=0)  # noqa: E731
+    # [N, S, K, H] projections -> the cache's head-major [R, K, S, H], one copy per anchor row.
+    per_row = lambda x: jnp.repeat(jnp.swapaxes(x, 1, 2), blocks.anchors.shape[0] // num_seqs, axis=0)  # noqa: E731
     context = KVCache(k=tuple(map(per_row, ks)), v=tuple(map(per_row, vs)), lengths=blocks.anchors)
     return proposer.draft_hidden(params, target_params, blocks.tokens, blocks.anchors, context)  # [R, B, D]
 
