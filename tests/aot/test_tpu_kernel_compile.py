@@ -23,7 +23,7 @@ from pallas_kernels.tree_attention import tree_attention
 
 # name -> (heads, kv heads, head_dim): the models' shapes and the lane-packing paths of the kernel.
 HEADS = {
-    "smollm2_9x3_hd64": (9, 3, 64),  # three kv heads share one 192-lane block
+    "smollm2_9x3_hd64": (9, 3, 64),  # head_dim 64: one 64-lane block per kv head
     "gqa2_hd64": (4, 2, 64),  # two kv heads per 128-lane block (queries widened)
     "qwen3_32x8_hd128": (32, 8, 128),
     "gemma3_4x1_hd256": (4, 1, 256),
@@ -144,6 +144,16 @@ def test_verify_traffic_grows_with_the_cache_not_with_n_times_the_cache(tpu_devi
     assert 6 < verify.bytes_accessed / verify_short.bytes_accessed < 10, (verify, verify_short)
     assert verify.temp_bytes < _cache_bytes(8192) / 8, verify  # no cache-sized scratch
     assert verify.bytes_accessed < 1.5 * _cache_bytes(8192), verify  # one read of the cache, no copy
+
+
+@pytest.mark.parametrize("heads", ["smollm2_9x3_hd64", "qwen3_32x8_hd128"])
+def test_kernel_with_its_log_sum_exp_compiles(tpu_device, heads):
+    """return_lse (level 2 of the shared-prefix attention) adds a lane-replicated statistics output."""
+    device = tpu_device("v5e:2x2")
+    fn = lambda *a: tree_attention(*a, backend="tpu", return_lse=True)
+    args = on_device(kernel_args(2, 16, 1024, *HEADS[heads], jnp.bfloat16), device)
+    out, lse = jax.jit(fn).lower(*args).compile().out_info
+    assert out.shape == args[0].shape and lse.shape == args[0].shape[:3] and lse.dtype == jnp.float32
 
 
 def test_sharded_kernel_compiles_inside_shard_map(tpu_device):
