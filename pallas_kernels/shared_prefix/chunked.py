@@ -10,7 +10,7 @@ a draft tree's ancestor mask), which is the log-sum-exp merge of the two partial
 
 On TPU and GPU both levels are Pallas kernels: level 1 the prefix tile kernel (`pallas.py`), level 2 the
 tree-attention kernel over the row's own cache and new tokens, which returns its log-sum-exp; the two
-normalized partials are merged in jnp (`merge_partials`).
+partial states are merged by log-sum-exp in jnp (`combine_tiles`, as the prefix kernel's tiles are).
 
 Glossary of einsum letters: G groups, R rows per group, B rows, T new tokens, K kv heads, Q query heads per
 kv head, X = R * T * Q queries of one (group, kv head), L prefix slots, U new keys, H head_dim.
@@ -26,7 +26,7 @@ from pallas_kernels.shared_prefix.pallas import combine_tiles, prefix_tiles
 from pallas_kernels.shared_prefix.split import split_prefix_state
 from pallas_kernels.tree_attention.chunked import _prefix, _prefix_single_query, online_update
 from pallas_kernels.tree_attention.ops import tree_attention
-from pallas_kernels.tree_attention.reference import MASK_VALUE, log_sum_exp, merge_partials
+from pallas_kernels.tree_attention.reference import MASK_VALUE
 
 _HI = jax.lax.Precision.HIGHEST
 KERNEL_BLOCK_KV = {"tpu": 512, "gpu": 128}  # prefix slots per kernel tile
@@ -113,18 +113,20 @@ def shared_prefix_attention(
 
 def _merge_own_by_kernel(q, state, k_cache, v_cache, cache_len, k_new, v_new, new_mask, sm_scale, platform,
                          interpret):  # fmt: skip
-    """Level 2 on a Pallas platform: the tree-attention kernel over each row's own cache and new tokens,
-    with its log-sum-exp, merged with the prefix state (max, denominator, numerator [B, T, K, Q, ...])."""
+    """Level 2 on a Pallas platform: the tree-attention kernel over each row's own cache and new tokens.
+    Its output and log-sum-exp are a softmax state of their own (max = log-sum-exp, denominator 1,
+    numerator = output), merged with the prefix state (max, denominator, numerator [B, T, K, Q, ...]) by
+    `combine_tiles`, the merge of the prefix kernel's tiles."""
     b, t, n, h = q.shape
     m, denom, acc = state
     own, own_lse = tree_attention(
         q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, sm_scale=sm_scale, backend=platform,
         interpret=interpret, return_lse=True,
     )  # fmt: skip
-    prefix_out = acc * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)[..., None]
-    own, own_lse = own.reshape(prefix_out.shape), own_lse.reshape(m.shape)
-    out = merge_partials(prefix_out, log_sum_exp(m, denom), own, own_lse)  # [B, T, K, Q, H]
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    own_state = (own_lse.reshape(m.shape), jnp.ones_like(denom), own.astype(jnp.float32).reshape(acc.shape))
+    m, denom, acc = combine_tiles(*(jnp.stack(pair, axis=2) for pair in zip(state, own_state)))
+    out = acc * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)[..., None]
+    return out.reshape(b, t, n, h).astype(q.dtype)  # from [B, T, K, Q, H]
 
 
 def _prefix_state(qf, prefix_k, prefix_v, prefix_len, layout: GroupLayout, kernel, interpret: bool, splits):

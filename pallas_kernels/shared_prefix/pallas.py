@@ -126,7 +126,8 @@ def prefix_tiles(
 
 
 def combine_tiles(m: jax.Array, denom: jax.Array, acc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Merges per-tile states [G, K, n, X(, H)] over the tile axis by log-sum-exp: [G, K, X(, H)]."""
+    """Merges per-tile states [G, K, n, X(, H)] over the tile axis by log-sum-exp: [G, K, X(, H)] (any two
+    leading axes: the shared-prefix attention also merges [B, T, 2, K, Q(, H)] prefix and own states)."""
     m_all = m.max(axis=2)  # [G, K, X]
     weight = jnp.exp(m - m_all[:, :, None])  # [G, K, n, X]
     return m_all, (denom * weight).sum(axis=2), (acc * weight[..., None]).sum(axis=2)

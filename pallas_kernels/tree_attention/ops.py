@@ -89,8 +89,8 @@ def tree_attention(
       causal: static promise that tree_mask[b, i, j] is False for j > i (prompts, chains, trees in
         topological order); the chunked backend then skips the keys after each query block.
       return_lse: also return each query's log-sum-exp over the keys it sees, [B, T, N] fp32 (-inf for
-        none), so that a caller can merge this attention with attention over other keys
-        (`reference.merge_partials`; the shared-prefix attention does).
+        none), so that a caller can merge this attention with attention over other keys (the
+        shared-prefix attention does).
 
     Returns:
       [B, T, N, H] attention output in q's dtype (fp32 accumulation); rows that see no key are zero. With

@@ -71,7 +71,7 @@ def tree_attention_reference(
 
     Returns:
       [B, T, N, H] attention output in q's dtype; with return_lse also [B, T, N] fp32 log-sum-exp (-inf
-      for a query that sees no key), to merge with attention over other keys (`merge_partials`).
+      for a query that sees no key), to merge with attention over other keys.
     """
     check_inputs(
         q,
@@ -259,17 +259,6 @@ def log_sum_exp(m: jax.Array, denom: jax.Array) -> jax.Array:
     """The log-sum-exp m + log(denom) of an online softmax's running max and denominator (-inf where the
     denominator is 0: no key seen)."""
     return jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-
-
-def merge_partials(out_a, lse_a, out_b, lse_b) -> jax.Array:
-    """Attention over the union of two disjoint key sets from each set's normalized output [..., H] and
-    log-sum-exp [...] (-inf: no key seen): the log-sum-exp merge, in fp32."""
-    top = jnp.maximum(lse_a, lse_b)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    wa, wb = jnp.exp(lse_a - top), jnp.exp(lse_b - top)  # [...]
-    total = wa + wb
-    out = wa[..., None] * out_a.astype(jnp.float32) + wb[..., None] * out_b.astype(jnp.float32)
-    return out * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
 
 
 def row_positions(positions: jax.Array, group: int, rows_pad: int) -> jax.Array:
