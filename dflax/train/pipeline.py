@@ -15,6 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 
 from dflax.target import Target, load_target
@@ -34,8 +35,8 @@ class PipelineConfig:
       train_config: path of the training recipe (configs/train/*.json).
       data_dir: where make-data writes its shards.
       run_dir: where train writes features, checkpoints, metrics and the exported drafter.
-      validation_limit: held-out prompts to answer (validation).
-      train_limit: training prompts to answer (None = the whole split).
+      validation_limit: held-out prompts to answer and validate on.
+      train_limit: training prompts to answer and train on (None = the whole split).
       ship_to: directory the exported drafter is copied to (None = leave it in run_dir/drafter).
     """
 
@@ -53,21 +54,22 @@ class PipelineConfig:
         return read_recipe(cls, path)
 
 
-def training_record(run_dir: Path, data_dir: Path, config: TrainConfig, result: TrainResult) -> dict:
-    """What the shipped drafter was trained on, how long it took and how validation went (from the manifest
-    and metrics.jsonl)."""
+def split_counts(sequences: list[tuple[np.ndarray, int]]) -> dict[str, int]:
+    """How many sequences and response tokens a list of (ids, prompt length) holds."""
+    return {"sequences": len(sequences), "response_tokens": int(sum(len(ids) - p for ids, p in sequences))}
+
+
+def training_record(
+    run_dir: Path, data_dir: Path, config: TrainConfig, result: TrainResult, splits: dict[str, list]
+) -> dict:
+    """What the shipped drafter was trained on (the generation recipe from the manifest, the counts of the
+    sequences in `splits` that training saw), how long it took and how validation went (metrics.jsonl)."""
     manifest = read_manifest(data_dir) or {}
     metrics = read_metrics(run_dir / METRICS)
     progress = [m for m in metrics if "loss" in m]
     validation = [m for m in metrics if "val_tau" in m]
-    splits = manifest.get("splits", {})
     return {
-        "data": {
-            "generation": manifest.get("generation"),
-            **{
-                split: {k: splits[split].get(k) for k in ("sequences", "response_tokens")} for split in splits
-            },
-        },
+        "data": {"generation": manifest.get("generation"), **{k: split_counts(v) for k, v in splits.items()}},
         "train": config.to_dict(),
         "steps": result.step,
         "train_wall_s": round(sum(m.get("seconds", 0.0) for m in progress), 1),
@@ -96,20 +98,19 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
         console.rule(f"make-data {split}")
         make_data(data_config, data_dir, split=split, limit=limit, target=target, console=console)
     console.rule("train")
-    result = train(
-        train_config,
-        target,
-        load_sequences(data_dir, "train"),
-        load_sequences(data_dir, "validation"),
-        run_dir,
-        console=console,
-    )
+    # The data directory may hold more than this pipeline asked for (a later session added to it): train
+    # on the first `train_limit` answers, the ones its recipe names.
+    splits = {
+        "train": load_sequences(data_dir, "train")[: pipeline.train_limit],
+        "validation": load_sequences(data_dir, "validation")[: pipeline.validation_limit],
+    }
+    result = train(train_config, target, splits["train"], splits["validation"], run_dir, console=console)
     if result.drafter_dir is not None and pipeline.ship_to:
         ship = Path(pipeline.ship_to)
         if ship.exists():
             shutil.rmtree(ship)
         shutil.copytree(result.drafter_dir, ship)  # weights, TRAINING.json and validation.png
-        record = training_record(run_dir, data_dir, train_config, result)  # adds the data it saw
+        record = training_record(run_dir, data_dir, train_config, result, splits)  # adds the data it saw
         (ship / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         console.print(f"drafter shipped to {ship}")
     return result
