@@ -16,6 +16,7 @@ Shard arrays (N sequences, L = total tokens of the shard):
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -103,6 +104,7 @@ def iter_sequences(out_dir: str | Path, split: str) -> Iterator[tuple[np.ndarray
         yield from shard_sequences(read_shard(Path(out_dir) / shard["file"]))
 
 
-def load_sequences(out_dir: str | Path, split: str) -> list[tuple[np.ndarray, int]]:
-    """Every sequence of a split: (ids int32 [T], prompt length); the response is ids[prompt length:]."""
-    return list(iter_sequences(out_dir, split))
+def load_sequences(out_dir: str | Path, split: str, limit: int | None = None) -> list[tuple[np.ndarray, int]]:
+    """The first `limit` sequences of a split (None: every one), (ids int32 [T], prompt length); the
+    response is ids[prompt length:]. Shards past the limit are not read."""
+    return list(itertools.islice(iter_sequences(out_dir, split), limit))

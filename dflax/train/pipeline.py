@@ -101,8 +101,8 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
     # The data directory may hold more than this pipeline asked for (a later session added to it): train
     # on the first `train_limit` answers, the ones its recipe names.
     splits = {
-        "train": load_sequences(data_dir, "train")[: pipeline.train_limit],
-        "validation": load_sequences(data_dir, "validation")[: pipeline.validation_limit],
+        "train": load_sequences(data_dir, "train", pipeline.train_limit),
+        "validation": load_sequences(data_dir, "validation", pipeline.validation_limit),
     }
     result = train(train_config, target, splits["train"], splits["validation"], run_dir, console=console)
     if result.drafter_dir is not None and pipeline.ship_to:
