@@ -6,8 +6,10 @@ back every epoch (see `dflax.train.trainer` for the measurement behind this choi
 target's prefill (an empty cache, the sequences' real tokens packed back to back:
 `objective.target_features`), which returns exactly what is stored: only real tokens, back to back
 ([T, K * D] for T tokens in all), as uint16 bits of bf16 so the file is a plain .npy. A `.json` beside it
-records what it holds (the sequences, the tapped layers and a fingerprint of the target's weights) and how
-many sequences are done, so an interrupted fill resumes and a cache of other data or weights is rebuilt.
+records what it holds (a digest of each sequence, the tapped layers and a fingerprint of the target's
+weights) and how many sequences are done, so an interrupted fill resumes, a cache of other weights is
+rebuilt, and a cache whose first sequences are the new data's first sequences keeps them: data grows by
+appending shards, so a retrain on more data computes only the new sequences' features.
 """
 
 from __future__ import annotations
@@ -56,13 +58,27 @@ class FeatureCache:
         return out.view(jnp.bfloat16)
 
 
-def features_key(tokens: np.ndarray, lengths: np.ndarray, weights: str, taps: tuple[int, ...]) -> str:
-    """Identifies a cache's contents: the sequences, the target's weights (`weights_fingerprint`, which
-    covers their dtype) and its tapped layers."""
-    digest = hashlib.sha256(np.ascontiguousarray(tokens).tobytes())
-    digest.update(np.ascontiguousarray(lengths).tobytes())
-    digest.update(json.dumps([weights, list(taps)]).encode())
-    return digest.hexdigest()
+def sequence_digests(tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+    """One short digest per sequence of its real tokens (a different length is a different digest).
+
+    Args:
+      tokens: [N, S] padded sequences.
+      lengths: [N] their real lengths.
+    """
+    tokens = np.asarray(tokens, np.int32)
+    return [hashlib.sha256(row[:n].tobytes()).hexdigest()[:16] for row, n in zip(tokens, lengths)]
+
+
+def reusable_prefix(record: dict, source: dict, digests: list[str]) -> int:
+    """How many of a cache's finished sequences hold the features the new data wants: the leading
+    sequences whose digests match, when the weights and taps (`source`) are the same; 0 otherwise."""
+    if record.get("source") != source:
+        return 0
+    old = record.get("sequences", [])[: record.get("done", 0)]
+    same = 0
+    while same < min(len(old), len(digests)) and old[same] == digests[same]:
+        same += 1
+    return same
 
 
 def fitting_rows(lengths: np.ndarray, start: int, rows: int, pack_tokens: int) -> int:
@@ -74,6 +90,22 @@ def fitting_rows(lengths: np.ndarray, start: int, rows: int, pack_tokens: int) -
 
 def _write_json(path: Path, data: dict) -> None:
     write_atomically(path, lambda f: f.write(json.dumps(data).encode()))
+
+
+def _resize(path: Path, shape: tuple[int, int], keep_rows: int) -> None:
+    """Makes `path` an uint16 .npy of `shape` whose first `keep_rows` rows are the old file's."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not keep_rows:
+        np.lib.format.open_memmap(path, "w+", np.uint16, shape)
+        return
+    tmp = path.with_name(path.name + ".resized.npy")
+    old = np.load(path, mmap_mode="r")
+    new = np.lib.format.open_memmap(tmp, "w+", np.uint16, shape)
+    for start in range(0, keep_rows, 1 << 16):  # in slices: the file can be many GB
+        new[start : min(start + (1 << 16), keep_rows)] = old[start : min(start + (1 << 16), keep_rows)]
+    new.flush()
+    del old, new
+    tmp.replace(path)
 
 
 def cache_features(
@@ -112,13 +144,14 @@ def cache_features(
     num_seqs = tokens.shape[0]
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     record_path = path.with_suffix(".json")
-    key = features_key(tokens, lengths, weights, taps)
+    source = {"weights": weights, "taps": list(taps)}
+    digests = sequence_digests(tokens, lengths)
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     shape = (int(offsets[-1]), len(taps) * target.config.hidden_size)
-    if record.get("key") != key or not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.lib.format.open_memmap(path, "w+", np.uint16, shape)
-        record = {"key": key, "done": 0}
+    if record.get("source") != source or record.get("sequences") != digests or not path.exists():
+        keep = reusable_prefix(record, source, digests) if path.exists() else 0
+        _resize(path, shape, keep_rows=int(offsets[keep]))
+        record = {"source": source, "sequences": digests, "done": keep}
         _write_json(record_path, record)
     done = record["done"]
     if done < num_seqs:
@@ -136,7 +169,7 @@ def cache_features(
             features[offsets[done] : offsets[done + count]] = out[:real]
             features.flush()
             done += count
-            _write_json(record_path, {"key": key, "done": done})
+            _write_json(record_path, {**record, "done": done})
             progress.update(task, completed=done)
         del features
         progress.remove_task(task)

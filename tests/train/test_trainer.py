@@ -497,6 +497,13 @@ def test_warm_start_continues_from_an_exported_drafter(target, sequences, overfi
     warm = train(config, target, sequences[:32], sequences[32:], tmp_path / "warm", console=QUIET)
     fresh = [e for e in overfit.log if "loss" in e][0]["loss"]  # mean over the first 25 steps
     assert warm.log[0]["loss"] < 0.3 * fresh
+    # Its record keeps the parent's, so a drafter trained in stages records every stage.
+    lineage = json.loads((warm.drafter_dir / TRAINING_RECORD).read_text())["warm_start"]
+    parent = json.loads((overfit.drafter_dir / TRAINING_RECORD).read_text())
+    assert lineage == {"from": str(overfit.drafter_dir), "record": parent}
+    scratch = dataclasses.replace(TINY, steps=2)  # the same directory started over from scratch
+    again = train(scratch, target, sequences[:32], [], tmp_path / "warm", resume=False, console=QUIET)
+    assert not (again.drafter_dir / TRAINING_RECORD).exists()  # no validation: no report, not a stale one
     exported = load_drafter(overfit.drafter_dir, target)
     module = DFlashDrafter(config.drafter_config(target), jnp.float32, "reference")
     started = warm_start_params(overfit.drafter_dir, module.config, init_drafter_params(module, 5))
@@ -607,6 +614,39 @@ def test_feature_cache_resumes_an_interrupted_fill_and_rebuilds_for_other_data(t
     rebuilt = functools.partial(fill, weights="w1")
     assert rebuilt(tmp_path / "f.npy", tokens + 1, lengths, should_stop=stop_after_one) is None
     assert json.loads((tmp_path / "f.json").read_text())["done"] == 2
+
+
+def test_feature_cache_grown_by_more_data_computes_only_the_new_sequences(target, tmp_path):
+    width = 3 * target.config.hidden_size
+    computed = []
+
+    def compute(params, tokens, lengths):  # one sequence per forward; records which sequences it saw
+        computed.append(int(tokens[0, 0]))
+        out = np.zeros((6, width), np.float32)
+        out[: lengths[0]] = tokens[0, : lengths[0], None]
+        return out.astype(jnp.bfloat16)
+
+    fill = functools.partial(
+        cache_features, target=target, weights="w0", taps=(0, 1, 2), compute=compute, rows=1, pack_tokens=6,
+        progress=Progress(), should_stop=lambda: False,
+    )  # fmt: skip
+    tokens = (np.arange(8)[:, None] * 10 + np.arange(6)).astype(np.int32)  # sequence i starts with 10 * i
+    lengths = np.asarray([6, 3, 5, 6, 2, 6, 4, 6], np.int32)
+    fill(tmp_path / "f.npy", tokens[:5], lengths[:5])
+    assert computed == [0, 10, 20, 30, 40]
+    computed.clear()
+    grown = fill(tmp_path / "f.npy", tokens, lengths)  # three more shards' worth of sequences
+    assert computed == [50, 60, 70]
+    for i, n in enumerate(lengths):
+        np.testing.assert_array_equal(grown.batch(np.asarray([i]), 6)[0, :n, 0], tokens[i, :n])
+    computed.clear()
+    changed = tokens.copy()
+    changed[6, 1] = -1  # an edited sequence and everything after it are recomputed
+    fill(tmp_path / "f.npy", changed, lengths)
+    assert computed == [60, 70]
+    computed.clear()
+    fill(tmp_path / "f.npy", changed, lengths, weights="w1")  # other weights keep nothing
+    assert computed == [0, 10, 20, 30, 40, 50, 60, 70]
 
 
 def test_weights_fingerprint_follows_the_parameters(target, tiny_checkpoint):
