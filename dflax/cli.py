@@ -680,6 +680,9 @@ def train_command(
         None, help="warm start from an exported drafter, 'shipped' or a directory (sets init 'drafter')"
     ),
     lr: float = typer.Option(None, help="peak learning rate (default: the recipe's), e.g. for a sweep"),
+    limit: int = typer.Option(
+        None, min=1, help="train on the first N training answers (of a data directory that is still growing)"
+    ),
     mesh: str = typer.Option(
         None,
         help="train on a device mesh, data=D,model=M: the drafter's parameters and optimizer state split "
@@ -708,7 +711,7 @@ def train_command(
     else:
         recipe = _read_recipe(TrainConfig, config, f"--config {config}", **overrides)
     try:
-        train_seqs = load_sequences(data, "train")
+        train_seqs = load_sequences(data, "train", limit)
     except FileNotFoundError as e:
         _fail(str(e))
     try:

@@ -22,7 +22,7 @@ from dflax.target import Target, load_target
 from dflax.train.dataset import load_sequences, read_manifest
 from dflax.train.make_data import DataConfig, make_data
 from dflax.train.recipe import read_recipe
-from dflax.train.report import METRICS, TRAINING_RECORD, read_metrics
+from dflax.train.report import METRICS, TRAINING_RECORD, read_metrics, read_warm_start
 from dflax.train.trainer import TrainConfig, TrainResult, train
 
 
@@ -63,12 +63,13 @@ def training_record(
     run_dir: Path, data_dir: Path, config: TrainConfig, result: TrainResult, splits: dict[str, list]
 ) -> dict:
     """What the shipped drafter was trained on (the generation recipe from the manifest, the counts of the
-    sequences in `splits` that training saw), how long it took and how validation went (metrics.jsonl)."""
+    sequences in `splits` that training saw), how long it took, how validation went (metrics.jsonl) and,
+    for a warm start, the record of the drafter it started from."""
     manifest = read_manifest(data_dir) or {}
     metrics = read_metrics(run_dir / METRICS)
     progress = [m for m in metrics if "loss" in m]
     validation = [m for m in metrics if "val_tau" in m]
-    return {
+    record = {
         "data": {"generation": manifest.get("generation"), **{k: split_counts(v) for k, v in splits.items()}},
         "train": config.to_dict(),
         "steps": result.step,
@@ -77,6 +78,10 @@ def training_record(
         "final_validation": validation[-1] if validation else None,
         "validation": validation,
     }
+    warm_start = read_warm_start(run_dir)
+    if warm_start is not None:
+        record["warm_start"] = warm_start
+    return record
 
 
 def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, console: Console | None = None):

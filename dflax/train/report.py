@@ -4,7 +4,9 @@ Every validation appends a record to `metrics.jsonl`; from that file the trainer
 `TRAINING.json` (the recipe, the steps and every validation: loss, per-position accuracy, per-position
 greedy acceptance and the estimated tau) and `validation.png` (tau and acc@1 over the steps, and the
 acceptance per block position at the first and latest validation). A run killed after its last checkpoint
-repeats the steps since then, so records of a repeated step replace the earlier ones.
+repeats the steps since then, so records of a repeated step replace the earlier ones. A warm-started run
+keeps the TRAINING.json of the drafter it started from (`warm_start.json`, written when the run begins,
+before a pipeline ships over that drafter), so a drafter trained in stages records every stage.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dflax.train.dataset import write_atomically
 
 PLOT = "validation.png"
 METRICS = "metrics.jsonl"
+WARM_START = "warm_start.json"
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -66,13 +69,34 @@ def plot_validation(validation: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def record_warm_start(out_dir: Path, init_from: str | None, parent: Path | None) -> None:
+    """Keeps what a fresh run starts from: for a warm start, the recipe's `init_from` ("shipped" or a
+    path) and the TRAINING.json of `parent`, the directory it names (None when it has none); for a run
+    that starts from scratch (`parent` None), nothing: a stale record is removed."""
+    path = out_dir / WARM_START
+    if parent is None:
+        path.unlink(missing_ok=True)
+        return
+    parent_record = parent / TRAINING_RECORD
+    record = json.loads(parent_record.read_text()) if parent_record.is_file() else None
+    data = {"from": init_from, "record": record}
+    write_atomically(path, lambda f: f.write(json.dumps(data).encode()))
+
+
+def read_warm_start(out_dir: Path) -> dict | None:
+    """The record `record_warm_start` kept for a run ({"from", "record"}), or None."""
+    path = out_dir / WARM_START
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def write_report(out_dir: Path, train_config: dict, total_steps: int) -> dict:
     """Rewrites out_dir/TRAINING.json and out_dir/validation.png from out_dir/metrics.jsonl.
 
     Returns:
       The TRAINING.json dictionary: {"train", "total_steps", "steps", "final_validation": the latest
-      record or None, "validation": [records]} (the exported drafter carries a copy: its
-      final_validation is what `--block-size auto` predicts from).
+      record or None, "validation": [records], and "warm_start" (`read_warm_start`) for a warm-started
+      run} (the exported drafter carries a copy: its final_validation is what `--block-size auto`
+      predicts from).
     """
     metrics = read_metrics(out_dir / METRICS)
     validation = [m for m in metrics if "val_tau" in m]
@@ -83,6 +107,9 @@ def write_report(out_dir: Path, train_config: dict, total_steps: int) -> dict:
         "final_validation": validation[-1] if validation else None,
         "validation": validation,
     }
+    warm_start = read_warm_start(out_dir)
+    if warm_start is not None:
+        record["warm_start"] = warm_start
     write_atomically(out_dir / TRAINING_RECORD, lambda f: f.write(json.dumps(record, indent=2).encode()))
     if validation:
         plot_validation(validation, out_dir / PLOT)

@@ -80,7 +80,7 @@ from dflax.train import dart_objective, objective
 from dflax.train.dart_ngram import response_ngram_tables
 from dflax.train.features import FeatureCache, cache_features
 from dflax.train.recipe import RunSettings, read_recipe
-from dflax.train.report import METRICS, PLOT, TRAINING_RECORD, write_report
+from dflax.train.report import METRICS, PLOT, TRAINING_RECORD, record_warm_start, write_report
 from dflax.train.target_init import init_from_target
 from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
 
@@ -717,6 +717,12 @@ def train(
         onto = state if programs.sharding is None else programs.sharding.abstract_state(state)
         state = _restore(manager, onto, meta)
         console.print(f"resuming {ckpt_dir} at step {int(state.step)} of {total_steps}")
+    else:  # a fresh start: no report of an earlier run; a warm start keeps its parent's record now,
+        # before anything ships over it
+        for stale in (TRAINING_RECORD, PLOT):
+            (out_dir / stale).unlink(missing_ok=True)
+        parent = resolve_drafter_dir(config.init_from, target.name) if config.init == "drafter" else None
+        record_warm_start(out_dir, config.init_from, parent)
 
     def save(step: int) -> None:
         if manager.latest_step() != step:
@@ -811,5 +817,7 @@ def train(
     for name in (TRAINING_RECORD, PLOT):  # the measured acceptance travels with the weights
         if (out_dir / name).is_file():
             shutil.copy(out_dir / name, drafter_dir / name)
+        else:  # not an earlier export's
+            (drafter_dir / name).unlink(missing_ok=True)
     console.print(f"drafter ({config.export_dtype}) written to {drafter_dir}")
     return TrainResult(step, total_steps, None, params, drafter_dir, log)
