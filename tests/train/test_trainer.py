@@ -577,6 +577,9 @@ def test_cli_trains_exports_and_resumes(target, tiny_checkpoint, sequences, tmp_
     assert other.exit_code == 2 and "--no-resume" in other.output
     warm = CliRunner().invoke(app, [*args, "--init-from", str(tmp_path / "nowhere"), "--lr", "1e-3"])
     assert warm.exit_code == 2 and "is not a drafter directory" in " ".join(warm.output.split())
+    limited = [*args[:-1], str(tmp_path / "limited"), "--limit", "4", "--steps", "1"]
+    first_four = CliRunner().invoke(app, limited)  # a growing data directory: its first answers only
+    assert first_four.exit_code == 0 and "4 training sequences" in first_four.output
 
 
 def test_feature_cache_resumes_an_interrupted_fill_and_rebuilds_for_other_data(target, tmp_path):
