@@ -211,14 +211,14 @@ if SMOKE:  # minutes on a CPU: checks the notebook end to end, trains nothing us
         anchors_per_seq=4, max_seq_len=96, batch_size=4, steps=4, checkpoint_every=4, validate_every=2,
         log_every=1,
     )
-else:  # a real run: the shipped recipe (configs/train/dflash-smollm2.json) on 20,000 answers
+else:  # a real run for a TPU or GPU: configs/train/dflash-smollm2-b16.json's B=16, gamma 7 on 20,000 answers
     TRAIN_PROMPTS, VALIDATION_PROMPTS, BENCH_PROMPTS, BENCH_TOKENS, BENCH_BATCH = 20_000, 64, 80, 128, 1
     data = DataConfig(target=TARGET, max_new_tokens=256, temperature=0.2, top_p=0.9, shard_size=256,
                       batch_size=64 if PLATFORM != "cpu" else 16)
     recipe = TrainConfig(
-        target=TARGET, num_layers=3, block_size=16, gamma=7.0, init="target", feature_norm=True,
-        draft_vocab_size=8192, anchors_per_seq=32, max_seq_len=512, batch_size=16, lr=1.5e-3,
-        warmup_frac=0.04, epochs=6, checkpoint_every=500, validate_every=500, log_every=10,
+        target=TARGET, num_layers=3, block_size=16, gamma=7.0, init="target", layer_kind="target",
+        feature_norm=True, draft_vocab_size=8192, anchors_per_seq=32, max_seq_len=512, batch_size=16,
+        lr=1.5e-3, warmup_frac=0.04, epochs=6, checkpoint_every=500, validate_every=500, log_every=10,
     )"""
         ),
         new_markdown_cell(
