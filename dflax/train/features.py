@@ -93,7 +93,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _resize(path: Path, shape: tuple[int, int], keep_rows: int) -> None:
-    """Makes `path` an uint16 .npy of `shape` whose first `keep_rows` rows are the old file's."""
+    """Makes `path` a uint16 .npy of `shape` whose first `keep_rows` rows are the old file's."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if not keep_rows:
         np.lib.format.open_memmap(path, "w+", np.uint16, shape)
@@ -171,6 +171,8 @@ def cache_features(
             done += count
             _write_json(record_path, {**record, "done": done})
             progress.update(task, completed=done)
+            if not progress.console.is_terminal and done * 20 // num_seqs > (done - count) * 20 // num_seqs:
+                progress.console.print(f"caching target features: {done}/{num_seqs} sequences ({size})")
         del features
         progress.remove_task(task)
     return FeatureCache(np.load(path, mmap_mode="r"), offsets) if done == num_seqs else None

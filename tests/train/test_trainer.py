@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import os
 import signal
@@ -524,12 +525,20 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     recipe = TrainConfig.from_json(RECIPE)
     shape = (recipe.num_layers, recipe.block_size, recipe.loss_gamma, recipe.layer_kind)
     assert shape == (3, 8, 4.0, "target")
-    # The shipped drafter was trained with exactly the committed recipe: the fields it records match, and
-    # any field added since holds the default that reproduces the training it had.
-    recorded = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())["train"]
-    assert recorded == {k: v for k, v in recipe.to_dict().items() if k in recorded}
-    newer = set(recipe.to_dict()) - set(recorded)
-    assert all(getattr(recipe, k) == getattr(TrainConfig(), k) for k in newer)
+    # The shipped drafter was trained in stages with exactly the committed recipes: the first from the
+    # target (RECIPE), each later one warm-started from the drafter before it (the -continue recipe). The
+    # fields each stage records match, and any field added since holds the default that reproduces it.
+    record = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
+    stages = [record]
+    while "warm_start" in stages[0]:
+        stages.insert(0, stages[0]["warm_start"]["record"])
+    continued = RECIPE.with_name("dflash-smollm2-continue.json")
+    for i, stage in enumerate(stages):
+        committed = TrainConfig.from_json(RECIPE if i == 0 else continued)
+        recorded = stage["train"]
+        assert recorded == {k: v for k, v in committed.to_dict().items() if k in recorded}
+        newer = set(committed.to_dict()) - set(recorded)
+        assert all(getattr(committed, k) == getattr(TrainConfig(), k) for k in newer)
     for block_size, gamma in ((8, 4.0), (16, 7.0)):  # the next recipes: the paper's gamma, dense anchors
         recipe = TrainConfig.from_json(RECIPE.with_name(f"dflash-smollm2-b{block_size}.json"))
         assert (recipe.block_size, recipe.loss_gamma, recipe.init) == (block_size, gamma, "target")
@@ -538,6 +547,22 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     bad.write_text(json.dumps({"block_size": 16, "lerning_rate": 1e-3}))
     with pytest.raises(ValueError, match="lerning_rate"):
         TrainConfig.from_json(bad)
+
+
+def test_pipeline_recipes_name_recipes_that_load():
+    """Each committed pipeline names a data and a training recipe that load, for the same target; the
+    continued stage trains on more answers than the stage it starts from."""
+    from dflax.train.make_data import DataConfig
+    from dflax.train.pipeline import PipelineConfig
+
+    root = RECIPE.parents[2]
+    limits = {}
+    for path in sorted((root / "configs/pipeline").glob("*.json")):
+        pipeline = PipelineConfig.from_json(path)
+        train_config = TrainConfig.from_json(root / pipeline.train_config)
+        assert DataConfig.from_json(root / pipeline.data_config).target == train_config.target
+        limits[path.stem] = pipeline.train_limit
+    assert limits["dflash-smollm2-continue"] > limits["dflash-smollm2"]
 
 
 def test_cli_trains_exports_and_resumes(target, tiny_checkpoint, sequences, tmp_path):
@@ -629,9 +654,10 @@ def test_feature_cache_grown_by_more_data_computes_only_the_new_sequences(target
         out[: lengths[0]] = tokens[0, : lengths[0], None]
         return out.astype(jnp.bfloat16)
 
+    log = io.StringIO()  # a log file, not a terminal: the fill prints lines where a terminal gets a bar
     fill = functools.partial(
         cache_features, target=target, weights="w0", taps=(0, 1, 2), compute=compute, rows=1, pack_tokens=6,
-        progress=Progress(), should_stop=lambda: False,
+        progress=Progress(console=Console(file=log)), should_stop=lambda: False,
     )  # fmt: skip
     tokens = (np.arange(8)[:, None] * 10 + np.arange(6)).astype(np.int32)  # sequence i starts with 10 * i
     lengths = np.asarray([6, 3, 5, 6, 2, 6, 4, 6], np.int32)
@@ -639,7 +665,7 @@ def test_feature_cache_grown_by_more_data_computes_only_the_new_sequences(target
     assert computed == [0, 10, 20, 30, 40]
     computed.clear()
     grown = fill(tmp_path / "f.npy", tokens, lengths)  # three more shards' worth of sequences
-    assert computed == [50, 60, 70]
+    assert computed == [50, 60, 70] and "caching target features: 8/8 sequences" in log.getvalue()
     for i, n in enumerate(lengths):
         np.testing.assert_array_equal(grown.batch(np.asarray([i]), 6)[0, :n, 0], tokens[i, :n])
     computed.clear()
