@@ -104,10 +104,12 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
         make_data(data_config, data_dir, split=split, limit=limit, target=target, console=console)
     console.rule("train")
     # The data directory may hold more than this pipeline asked for (a later session added to it): train
-    # on the first `train_limit` answers, the ones its recipe names.
+    # on the first `train_limit` answers, the ones its recipe names, and validate on the first
+    # `max_val_sequences` of the held-out ones (what the trainer takes).
+    held_out = load_sequences(data_dir, "validation", pipeline.validation_limit)
     splits = {
         "train": load_sequences(data_dir, "train", pipeline.train_limit),
-        "validation": load_sequences(data_dir, "validation", pipeline.validation_limit),
+        "validation": held_out[: train_config.max_val_sequences],
     }
     result = train(train_config, target, splits["train"], splits["validation"], run_dir, console=console)
     if result.drafter_dir is not None and pipeline.ship_to:

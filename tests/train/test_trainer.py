@@ -695,7 +695,9 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
         json.dumps({"target": target_dir, "max_prompt_tokens": 48, "max_new_tokens": 12, "shard_size": 4})
     )
     train_recipe = tmp_path / "train.json"
-    config = dataclasses.replace(TINY, target=target_dir, max_seq_len=64, steps=4, validate_every=2)
+    config = dataclasses.replace(
+        TINY, target=target_dir, max_seq_len=64, steps=4, validate_every=2, max_val_sequences=3
+    )
     train_recipe.write_text(json.dumps(config.to_dict()))
     pipeline = tmp_path / "pipeline.json"
     ship = tmp_path / "shipped/tiny"
@@ -721,7 +723,8 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
     assert result.exit_code == 0, result.output
     record = json.loads((ship / "TRAINING.json").read_text())
     assert record["steps"] == 4 and record["train_wall_s"] > 0
-    assert record["data"]["train"]["sequences"] == 8 and record["data"]["validation"]["sequences"] == 4
+    # It counts what training used: 8 answers, and 3 of the 4 held-out ones (max_val_sequences).
+    assert record["data"]["train"]["sequences"] == 8 and record["data"]["validation"]["sequences"] == 3
     assert record["data"]["train"]["response_tokens"] > 0
     assert record["final_validation"]["step"] == 4 and record["train"]["block_size"] == 8
     assert (ship / PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot ships beside the record
