@@ -22,7 +22,7 @@ from dflax.target import Target, load_target
 from dflax.train.dataset import load_sequences, read_manifest
 from dflax.train.make_data import DataConfig, make_data
 from dflax.train.recipe import read_recipe
-from dflax.train.report import METRICS, TRAINING_RECORD, read_metrics, read_warm_start
+from dflax.train.report import METRICS, TRAINING_RECORD, read_metrics, validation_history
 from dflax.train.trainer import TrainConfig, TrainResult, train
 
 
@@ -68,20 +68,14 @@ def training_record(
     manifest = read_manifest(data_dir) or {}
     metrics = read_metrics(run_dir / METRICS)
     progress = [m for m in metrics if "loss" in m]
-    validation = [m for m in metrics if "val_tau" in m]
-    record = {
+    return {
         "data": {"generation": manifest.get("generation"), **{k: split_counts(v) for k, v in splits.items()}},
         "train": config.to_dict(),
         "steps": result.step,
         "train_wall_s": round(sum(m.get("seconds", 0.0) for m in progress), 1),
         "final_loss": progress[-1]["loss"] if progress else None,
-        "final_validation": validation[-1] if validation else None,
-        "validation": validation,
+        **validation_history(run_dir, metrics),
     }
-    warm_start = read_warm_start(run_dir)
-    if warm_start is not None:
-        record["warm_start"] = warm_start
-    return record
 
 
 def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, console: Console | None = None):

@@ -89,6 +89,17 @@ def read_warm_start(out_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def validation_history(out_dir: Path, metrics: list[dict]) -> dict:
+    """The tail every TRAINING.json ends with: "final_validation" (the latest validation record or None),
+    "validation" (every one, from a run's `metrics`) and, for a warm-started run, "warm_start"."""
+    validation = [m for m in metrics if "val_tau" in m]
+    history = {"final_validation": validation[-1] if validation else None, "validation": validation}
+    warm_start = read_warm_start(out_dir)
+    if warm_start is not None:
+        history["warm_start"] = warm_start
+    return history
+
+
 def write_report(out_dir: Path, train_config: dict, total_steps: int) -> dict:
     """Rewrites out_dir/TRAINING.json and out_dir/validation.png from out_dir/metrics.jsonl.
 
@@ -99,18 +110,14 @@ def write_report(out_dir: Path, train_config: dict, total_steps: int) -> dict:
       predicts from).
     """
     metrics = read_metrics(out_dir / METRICS)
-    validation = [m for m in metrics if "val_tau" in m]
+    history = validation_history(out_dir, metrics)
     record = {
         "train": train_config,
         "total_steps": total_steps,
         "steps": max((m["step"] for m in metrics), default=0),
-        "final_validation": validation[-1] if validation else None,
-        "validation": validation,
+        **history,
     }
-    warm_start = read_warm_start(out_dir)
-    if warm_start is not None:
-        record["warm_start"] = warm_start
     write_atomically(out_dir / TRAINING_RECORD, lambda f: f.write(json.dumps(record, indent=2).encode()))
-    if validation:
-        plot_validation(validation, out_dir / PLOT)
+    if history["validation"]:
+        plot_validation(history["validation"], out_dir / PLOT)
     return record
