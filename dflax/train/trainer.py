@@ -421,9 +421,7 @@ def dart_loss_fn(module: DartDrafter, target: Transformer, vocab, config: TrainC
     return loss_fn
 
 
-def make_steps(
-    loss_fn: Callable, tx: optax.GradientTransformation, sharding: TrainingSharding | None = None
-):
+def make_steps(loss_fn: Callable, tx: optax.GradientTransformation, sharding: TrainingSharding | None = None):
     """The jitted train step (state donated) and eval step of a loss (`dflash_loss_fn`, `dart_loss_fn`).
 
     With `sharding` the step keeps the new state in its FSDP shards (`dflax.sharding.training`); its inputs
@@ -622,14 +620,19 @@ def _progress_text(record: dict, tau: float | None) -> str:
 
 
 def _initial_state(
-    module: DFlashDrafter | DartDrafter, tx: optax.GradientTransformation, config: TrainConfig, target: Target
+    module: DFlashDrafter | DartDrafter,
+    tx: optax.GradientTransformation,
+    config: TrainConfig,
+    target: Target,
+    parent: Path | None,
 ) -> TrainState:
+    """The step-0 state: fresh, from the target's layers, or from the exported drafter `parent`."""
     init = init_dart_params if isinstance(module, DartDrafter) else init_drafter_params
     params = init(module, config.seed)
     if config.init == "target":
         params = init_from_target(params, target.params, target.config, module.config)
-    elif config.init == "drafter":
-        params = warm_start_params(resolve_drafter_dir(config.init_from, target.name), module.config, params)
+    elif parent is not None:
+        params = warm_start_params(parent, module.config, params)
     return TrainState(
         params=params,
         opt_state=tx.init(params),
@@ -701,7 +704,8 @@ def train(
             raise ValueError("DART trains on one device for now: leave out --mesh (DFlash trains on a mesh)")
         TrainingSharding.for_drafter(drafter_config.layers, target.mesh).check_batch(config.batch_size)
     programs = _programs(drafter_config, target.module, config, total_steps, vocab_key, target.mesh)
-    state = _initial_state(programs.module, programs.tx, config, target)
+    parent = resolve_drafter_dir(config.init_from, target.name) if config.init == "drafter" else None
+    state = _initial_state(programs.module, programs.tx, config, target, parent)
     place_batch = (lambda batch: batch) if programs.sharding is None else programs.sharding.place_batch
     if programs.sharding is not None:
         state = programs.sharding.place_state(state)
@@ -721,7 +725,6 @@ def train(
         # before anything ships over it
         for stale in (TRAINING_RECORD, PLOT):
             (out_dir / stale).unlink(missing_ok=True)
-        parent = resolve_drafter_dir(config.init_from, target.name) if config.init == "drafter" else None
         record_warm_start(out_dir, config.init_from, parent)
 
     def save(step: int) -> None:

@@ -76,7 +76,7 @@ def compiled_state_shards(target, seqs) -> dict:
     target's mesh receives them (the executable's input shardings)."""
     dflash = CONFIG.drafter_config(target)
     programs = _programs(dflash, target.module, CONFIG, CONFIG.steps, None, target.mesh)
-    state = programs.sharding.place_state(_initial_state(programs.module, programs.tx, CONFIG, target))
+    state = programs.sharding.place_state(_initial_state(programs.module, programs.tx, CONFIG, target, None))
     data = pad_sequences(seqs, CONFIG.max_seq_len)
     width = len(dflash.target_layer_ids) * target.config.hidden_size
     batch = data.take(batch_index(len(data), CONFIG.batch_size, CONFIG.seed, 0), _NoFeatures(width))
