@@ -167,13 +167,31 @@ def plan_prompts(
     return planned, too_long
 
 
-def _finished_shard(path: Path, keys: list[str]) -> dict[str, np.ndarray] | None:
-    """The shard's arrays if the file exists, reads, and holds exactly the planned prompts; else None."""
+def _finished_shard(path: Path, keys: list[str] | None) -> dict[str, np.ndarray] | None:
+    """The shard's arrays if the file exists, reads, and holds exactly the planned prompts (any, with
+    keys None); else None."""
     try:
         shard = read_shard(path)
     except (OSError, ValueError, zipfile.BadZipFile):
         return None
-    return shard if "keys" in shard and shard["keys"].tolist() == keys else None
+    if "keys" not in shard or (keys is not None and shard["keys"].tolist() != keys):
+        return None
+    return shard
+
+
+def _shards_holding(out_dir: Path, entry: dict | None, keys: list[str]) -> int | None:
+    """How many of the split's listed shards it takes to hold the answers to `keys`, in order; None if
+    they do not hold them all."""
+    held, count = [], 0
+    for shard in (entry or {}).get("shards", []):
+        if len(held) >= len(keys):
+            break
+        arrays = _finished_shard(out_dir / shard["file"], None)
+        if arrays is None:
+            return None
+        held.extend(arrays["keys"].tolist())
+        count += 1
+    return count if held[: len(keys)] == keys else None
 
 
 def _check_compatible(manifest: dict | None, config: DataConfig, fingerprint: dict, out_dir: Path) -> None:
@@ -223,7 +241,8 @@ def make_data(
       config: the recipe.
       out_dir: the data directory (created; a rerun with the same config skips finished shards).
       split: "train" or "validation".
-      limit: answer only the first N planned prompts.
+      limit: answer only the first N planned prompts; when a larger run already made them, nothing is
+        written (not the shards, not the manifest).
       batch_size: overrides config.batch_size (output does not depend on it).
       target: the loaded config.target (loaded here when None).
       prompts: the split's prompts (default: the recipe's sources' prompts of `split`).
@@ -255,6 +274,14 @@ def make_data(
     if prompts is None:
         prompts = load_prompts(config, split)
     planned, too_long = plan_prompts(target, prompts, config, limit)
+    keys = [result_key(record.id) for record, _ in planned]
+    previous = manifest["splits"].get(split) if manifest else None
+    if limit is not None and (held := _shards_holding(out_dir, previous, keys)):
+        # A larger run made these answers already: a smaller plan would rewrite its last shard with fewer
+        # answers and drop the shards after it from the manifest, so the directory is left as it is.
+        if console is not None:
+            console.print(f"{split}: the first {len(keys)} answers are already made ({held} shards), kept")
+        return RunSummary(0, 0, 0.0, 0, held)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(f"*{TMP_SUFFIX}"):
@@ -282,10 +309,10 @@ def make_data(
         for index, start in enumerate(range(0, len(planned), config.shard_size)):
             shard = planned[start : start + config.shard_size]
             path = out_dir / f"{split}-{index:05d}.npz"
-            keys = [result_key(record.id) for record, _ in shard]
-            arrays = _finished_shard(path, keys)
+            shard_keys = keys[start : start + config.shard_size]
+            arrays = _finished_shard(path, shard_keys)
             if arrays is None:
-                write_shard(path, _answer(target, shard, config, on_result), keys)
+                write_shard(path, _answer(target, shard, config, on_result), shard_keys)
                 arrays = read_shard(path)
                 done["written"] += 1
                 r = rates()

@@ -233,6 +233,24 @@ def test_limit_then_full_keeps_the_full_shards(tmp_path, tiny_target):
     assert [(a.tolist(), p) for a, p in limited] == [(a.tolist(), p) for a, p in full]
 
 
+def test_a_smaller_limit_after_a_larger_run_changes_nothing(tmp_path, tiny_target, counting):
+    # A pipeline stage that trains on the first answers of a directory a larger run made: neither its
+    # partial last shard nor the manifest may shrink what is there.
+    run(tiny_target, tmp_path)
+    before = load_sequences(tmp_path, "train")
+    manifest = (tmp_path / "manifest.json").read_bytes()
+    mtimes = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.npz")}
+    calls = counting.calls
+    for limit in (6, 3, 10):
+        summary = run(tiny_target, tmp_path, limit=limit)
+        assert (summary.shards_written, summary.shards_kept) == (0, -(-limit // 4))
+    assert counting.calls == calls and (tmp_path / "manifest.json").read_bytes() == manifest
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.npz")} == mtimes
+    assert [(a.tolist(), p) for a, p in load_sequences(tmp_path, "train")] == [
+        (a.tolist(), p) for a, p in before
+    ]
+
+
 def test_other_settings_or_target_refuse_to_mix(tmp_path, tiny_target):
     run(tiny_target, tmp_path, limit=2)
     fingerprint = read_manifest(tmp_path)["fingerprint"]
