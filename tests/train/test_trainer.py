@@ -722,6 +722,7 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
     assert more.exit_code == 0, more.output
     result = CliRunner().invoke(app, ["pipeline", str(pipeline)])
     assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "data/manifest.json").read_text())["splits"]["train"]["sequences"] == 12
     record = json.loads((ship / "TRAINING.json").read_text())
     assert record["steps"] == 4 and record["train_wall_s"] > 0
     # It counts what training used: 8 answers, and 3 of the 4 held-out ones (max_val_sequences).
@@ -734,4 +735,4 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
 
     again = CliRunner().invoke(app, ["pipeline", str(pipeline)])  # everything is done: kept and restored
     output = " ".join(again.output.split())
-    assert again.exit_code == 0 and "already done, kept" in output and "at step 4 of 4" in output
+    assert again.exit_code == 0 and "answers are already made" in output and "at step 4 of 4" in output
