@@ -7,6 +7,7 @@ prefill time is reported separately.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import statistics
@@ -364,7 +365,7 @@ def run_bench(
     drafter: str | None = None,
     block_sizes: list[int | str] | None = None,
     tree_budgets: list[int] | None = None,
-    draft_sampling: str = "greedy",
+    draft_sampling: str = "auto",
     cost_curve: bool = False,
     cost_curve_sizes: tuple[int, ...] = COST_CURVE_SIZES,
     console=None,
@@ -400,7 +401,8 @@ def run_bench(
         train` exported) without tree budgets, else its trained block size; lookup: 8.
       tree_budgets: tree budgets to run for dflash, dart and lookup (0 = a chain; without them dflash and
         lookup decode chains, dart without measured acceptance DART's published 60 nodes).
-      draft_sampling: "greedy" (delta rule) or "sample" (ratio rule).
+      draft_sampling: "greedy" (delta rule), "sample" (ratio rule) or "auto" (greedy at temperature 0 and
+        with tree budgets, else sample; see `DraftSampling.for_target`).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
       console: optional rich console for progress.
@@ -433,6 +435,8 @@ def run_bench(
         raise ValueError(f"shared_prefix modes are none and auto, got {shared_prefix}")
     from rich.progress import Progress
 
+    if draft_sampling not in ("auto", "greedy", "sample"):
+        raise ValueError(f"draft sampling {draft_sampling!r} unknown; use auto, greedy or sample")
     if tree_budgets and not {"dflash", "dart", "lookup"} & set(methods):
         raise ValueError("--tree-budget applies to --method dflash, dart and lookup; add one of them")
     records, bad = load_prompts(prompts)
@@ -473,7 +477,7 @@ def run_bench(
                     "--method dart needs --drafter: a DART drafter directory (`dflax train --config "
                     "configs/train/dart-smollm2.json` exports one) or 'untrained'"
                 )
-            if draft_sampling != "greedy":
+            if draft_sampling == "sample":
                 raise ValueError("DART drafts greedily (its trees are verified by the delta rule)")
             dart = method_drafter = load_dart(drafter, loaded)
             default = AUTO if dart.accept and not tree_budgets else dart.trained_block_size
@@ -497,7 +501,8 @@ def run_bench(
                 is_dart_dir(Path(drafter)) or is_diffuspec_drafter_dir(drafter)
             )
             dflash_dir = None if other_dir else drafter
-            spec = load_drafter(dflash_dir or SHIPPED, loaded, draft_sampling=DraftSampling(draft_sampling))
+            sampling = DraftSampling.for_target(draft_sampling, temperature, tree=any(tree_budgets or [0]))
+            spec = load_drafter(dflash_dir or SHIPPED, loaded, draft_sampling=sampling)
             method_drafter = spec
             chains = not any(tree_budgets or [0])
             default = AUTO if spec.accept and chains else spec.proposer.block_size
@@ -571,6 +576,7 @@ def run_bench(
         "temperature": temperature,
         "mesh": mesh,
         "drafter": spec.name if spec else None,
+        "draft_sampling": dataclasses.asdict(spec.proposer.draft_sampling) if spec else None,
         "dart_drafter": dart.name if dart else None,
         "block_sizes": sizes,
         "tree_budgets": tree_budgets or [0],

@@ -95,10 +95,14 @@ def _load_drafter(
     loaded,
     block_size: int | None,
     draft_sampling: str,
+    temperature: float,
     tree_budget: int | None = None,
     min_match: int | None = None,
 ):
-    """The drafter for --method dflash, dart or lookup (None for ar), with one clear error for bad input."""
+    """The drafter for --method dflash, dart or lookup (None for ar), with one clear error for bad input;
+    `draft_sampling` ("auto", "greedy" or "sample") is resolved for the target's `temperature`."""
+    if draft_sampling not in ("auto", "greedy", "sample"):
+        _fail(f"--draft-sampling {draft_sampling!r}: use auto, greedy or sample")
     if tree_budget is not None and method == "ar":
         _fail(
             "--tree-budget needs --method dflash, dart or lookup (plain decoding verifies one token per step)"
@@ -119,21 +123,26 @@ def _load_drafter(
                     "--method dart needs --drafter: a DART drafter directory (`dflax train --config "
                     "configs/train/dart-smollm2.json` exports one) or 'untrained'"
                 )
-            if draft_sampling != "greedy":
+            if draft_sampling == "sample":
                 _fail(
                     "--method dart drafts greedily (its trees are verified by the delta rule): drop "
                     "--draft-sampling"
                 )
             dart = load_dart(drafter, loaded, DART_TREE_BUDGET if tree_budget is None else tree_budget)
             return dart.with_block_size(block_size) if block_size else dart
+        sampling = DraftSampling.for_target(draft_sampling, temperature, tree=bool(tree_budget))
         loaded_drafter = load_drafter(
-            drafter or SHIPPED, loaded, block_size=block_size, draft_sampling=DraftSampling(draft_sampling)
+            drafter or SHIPPED, loaded, block_size=block_size, draft_sampling=sampling
         )
         return loaded_drafter.with_tree_budget(tree_budget) if tree_budget else loaded_drafter
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
 
 
+_DRAFT_SAMPLING_HELP = (
+    "dflash: greedy (argmax drafts, delta rule), sample (drafts drawn from the drafter's q, ratio rule) or "
+    "auto: greedy at --temperature 0 and with a draft tree, sample otherwise"
+)
 _MIN_MATCH_HELP = (
     "lookup: verify drafts only in steps where some row's last N tokens (0..3) occurred before, else take a "
     "plain one-token step; 0 = always verify (default 2)"
@@ -159,7 +168,7 @@ def _load_diffuspec(
     """The DiffuSpec drafter of --method diffuspec, with one clear error for bad input."""
     from dflax.drafters.diffuspec_loader import WindowSetting, load_diffuspec
 
-    if block_size or tree_budget or draft_sampling != "greedy":
+    if block_size or tree_budget or draft_sampling == "sample":
         _fail(
             "--method diffuspec drafts one chain of --window slots greedily: drop --block-size, "
             "--tree-budget and --draft-sampling"
@@ -302,7 +311,7 @@ def generate(
         "n-gram-pruned beam, default 60 for a drafter without measured acceptance; lookup: several "
         "occurrences' continuations); 0 = a chain",
     ),
-    draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
+    draft_sampling: str = typer.Option("auto", help=_DRAFT_SAMPLING_HELP),
     min_match: int = typer.Option(None, help=_MIN_MATCH_HELP),
     chat: bool = typer.Option(False, "--chat", help="wrap argument prompts as a user chat message"),
     max_new_tokens: int = typer.Option(128, help="new tokens per prompt"),
@@ -427,7 +436,9 @@ def generate(
         )
     else:
         fixed = fixed_block if fixed_block != "auto" else None
-        spec_drafter = _load_drafter(method, drafter, loaded, fixed, draft_sampling, tree_budget, min_match)
+        spec_drafter = _load_drafter(
+            method, drafter, loaded, fixed, draft_sampling, temperature, tree_budget, min_match
+        )
     chains = method in ("dflash", "dart") and not tree_budget
     if fixed_block == "auto" and not chains:
         _fail(
@@ -529,7 +540,7 @@ def bench(
         help="tree budget N, or several (0,16,32: one dflash / dart / lookup run each; 0 = a chain; dart's "
         "default without measured acceptance 60)",
     ),
-    draft_sampling: str = typer.Option("greedy", help="greedy drafts (delta rule) or sample (ratio rule)"),
+    draft_sampling: str = typer.Option("auto", help=_DRAFT_SAMPLING_HELP),
     min_match: int = typer.Option(None, help=_MIN_MATCH_HELP),
     cost_curve: bool = typer.Option(
         False, "--cost-curve", help="time verify forwards for n=1..32 and a draft"

@@ -185,6 +185,7 @@ def test_bench_runs_several_block_sizes_in_one_run(tmp_path, target_dir):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(report.read_text())
     assert data["block_sizes"] == [2, 4] and data["n_prompts"] == 2
+    assert data["draft_sampling"] == {"mode": "greedy", "temperature": 1.0}  # auto at temperature 0
     by_method = {r["method"]: r for r in data["results"]}
     assert set(by_method) == {"ar", "dflash-b2", "dflash-b4"}
     for r in by_method.values():
@@ -224,6 +225,13 @@ def test_min_match_needs_lookup_and_a_value_it_can_match(target_dir):
     assert result.exit_code == 2 and "--min-match applies to --method lookup" in result.output
     result = run(target_dir, "--method", "lookup", "--min-match", "5", "w5")
     assert result.exit_code == 2 and "min_match must be 0 (always verify) .. 3" in result.output
+
+
+def test_an_unknown_draft_sampling_mode_is_one_clear_error(target_dir):
+    result = run(
+        target_dir, "--method", "dflash", "--drafter", "untrained", "--draft-sampling", "ratio", "w5"
+    )
+    assert result.exit_code == 2 and "--draft-sampling 'ratio': use auto, greedy or sample" in result.output
 
 
 def test_dart_generates_like_ar_and_benches_under_its_name(tmp_path, target_dir):

@@ -21,6 +21,7 @@ from tiny_checkpoints import full_sequence_logits
 import dflax
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import DraftSampling, load_drafter
+from dflax.drafters.dflash import DRAFT_TEMPERATURE_SCALE
 from dflax.generation import generate_ids
 
 PROMPT = [7, 8, 9, 10]
@@ -80,6 +81,19 @@ def test_sampled_drafts_from_a_draft_vocabulary_match_target(target):
     vocab = np.arange(0, target.config.vocab_size, 2, dtype=np.int32)
     drafter = dataclasses.replace(drafter, proposer=dataclasses.replace(drafter.proposer, draft_vocab=vocab))
     assert_matches_target(target, dict(temperature=1.0, top_k=3), drafter)
+
+
+def test_draft_sampling_for_a_target_temperature():
+    """auto drafts greedily where sampling cannot help (T=0) or is not allowed (trees), else samples q."""
+    greedy = DraftSampling("greedy")
+    assert DraftSampling.for_target("auto", 0.0) == greedy
+    assert DraftSampling.for_target("auto", 1.0, tree=True) == greedy
+    assert DraftSampling.for_target("greedy", 1.0) == greedy
+    sampled = DraftSampling("sample", DRAFT_TEMPERATURE_SCALE * 0.8)
+    assert DraftSampling.for_target("auto", 0.8) == sampled == DraftSampling.for_target("sample", 0.8)
+    assert DraftSampling.for_target("sample", 0.0) == DraftSampling("sample", 1.0)
+    with pytest.raises(ValueError, match="'ratio' unknown"):
+        DraftSampling.for_target("ratio", 1.0)
 
 
 def assert_matches_target(target, settings: dict, drafter):
