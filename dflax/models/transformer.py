@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from dflax.decoding.cache import KVCache, SharedPrefix
 from dflax.models.attention import Attention, AttentionConfig
 from dflax.models.config import ModelConfig
-from dflax.models.layers import GatedMLP, Linear, RMSNorm
+from dflax.models.layers import GatedMLP, Linear, RMSNorm, dot_float32
 from dflax.models.packing import Packing
 from dflax.sharding.embedding import take_rows
 
@@ -57,8 +57,8 @@ class Embedding(nn.Module):
         return take_rows(self.weight, tokens)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Tied read-out: [..., D] -> [..., V]."""
-        return jnp.einsum("...d,vd->...v", x, self.weight)
+        """Tied read-out: [..., D] -> float32 [..., V]."""
+        return dot_float32(x, self.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -230,7 +230,7 @@ class Transformer(nn.Module):
             weight = (
                 self.embed_tokens.weight if tied else self.lm_head.variables["params"]["weight"]
             )  # [V, D]
-            out = jnp.einsum("...d,vd->...v", hidden, jnp.take(weight, vocab_ids, axis=0))
+            out = dot_float32(hidden, jnp.take(weight, vocab_ids, axis=0))
         elif tied:
             out = self.embed_tokens.attend(hidden)
         else:
