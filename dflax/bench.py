@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dflax import projection
@@ -370,6 +371,7 @@ def run_bench(
     cost_curve_sizes: tuple[int, ...] = COST_CURVE_SIZES,
     console=None,
     mesh: str | None = None,
+    dtype: str | None = None,
     refill_every: list[int] | None = None,
     shared_prefix: list[str] | None = None,
     system_prompt: str | None = None,
@@ -407,6 +409,7 @@ def run_bench(
       cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
       console: optional rich console for progress.
       mesh: "data=D,model=M" to run dflax's methods sharded over that device mesh (see dflax.sharding).
+      dtype: the target's dtype for dflax's methods ("float32", "bfloat16"); None = the platform's default.
       refill_every: run dflax's methods once per value: 0 in static batches (the default), k > 0 with
         continuous batching, finished rows refilled every k decode steps (reported as e.g. "ar-refill16";
         its speedup and lossless_match compare with the static "ar").
@@ -445,7 +448,7 @@ def run_bench(
     records = records[:limit]
     if system_prompt is not None:
         records = with_system_prompt(records, system_prompt)
-    loaded = load_target(target, mesh=mesh)
+    loaded = load_target(target, dtype=dtype, mesh=mesh)
     context = loaded.config.max_position_embeddings
     prompt_ids = [
         fit_to_context(encode_prompt(loaded, r.prompt), max_new_tokens, context, False, str(r.id))
@@ -575,6 +578,7 @@ def run_bench(
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "mesh": mesh,
+        "dtype": jnp.dtype(loaded.dtype).name,
         "drafter": spec.name if spec else None,
         "draft_sampling": dataclasses.asdict(spec.proposer.draft_sampling) if spec else None,
         "dart_drafter": dart.name if dart else None,

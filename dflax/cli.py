@@ -556,6 +556,7 @@ def bench(
     plot: Path = typer.Option(
         None, "--plot", help="draw accepted lengths, tau/speedup per block size and the cost curve (PNG)"
     ),
+    dtype: str = typer.Option(None, help="target dtype of dflax's methods: float32 (CPU default), bfloat16"),
     mesh: str = typer.Option(None, help=_MESH_HELP),
     refill_every: str = typer.Option(
         "0",
@@ -626,6 +627,7 @@ def bench(
             cost_curve=cost_curve,
             console=console,
             mesh=mesh,
+            dtype=dtype,
             refill_every=refills,
             shared_prefix=shared_modes,
             system_prompt=system,

@@ -186,6 +186,7 @@ def test_bench_runs_several_block_sizes_in_one_run(tmp_path, target_dir):
     data = json.loads(report.read_text())
     assert data["block_sizes"] == [2, 4] and data["n_prompts"] == 2
     assert data["draft_sampling"] == {"mode": "greedy", "temperature": 1.0}  # auto at temperature 0
+    assert data["dtype"] == "float32"  # the CPU default
     by_method = {r["method"]: r for r in data["results"]}
     assert set(by_method) == {"ar", "dflash-b2", "dflash-b4"}
     for r in by_method.values():
@@ -225,6 +226,16 @@ def test_min_match_needs_lookup_and_a_value_it_can_match(target_dir):
     assert result.exit_code == 2 and "--min-match applies to --method lookup" in result.output
     result = run(target_dir, "--method", "lookup", "--min-match", "5", "w5")
     assert result.exit_code == 2 and "min_match must be 0 (always verify) .. 3" in result.output
+
+
+def test_bench_runs_a_bfloat16_target(tmp_path, target_dir):
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    write_jsonl(prompts, PROMPTS[:1])
+    args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "ar", "--dtype"]
+    result = runner.invoke(app, [*args, "bfloat16", "--max-new-tokens", "3", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["dtype"] == "bfloat16" and data["results"][0]["new_tokens"] > 0
 
 
 def test_an_unknown_draft_sampling_mode_is_one_clear_error(target_dir):
