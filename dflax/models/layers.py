@@ -21,8 +21,8 @@ def dot_float32(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., in] times weight [out, in] transposed -> [..., out] float32 (accumulated in float32).
 
     For bf16 weights this is what TPU and GPU matmuls do. On a CPU with AMX (this project's 2-core Xeon) it
-    is also XLA's fast path: SmolLM2's projections for 4 rows take 19 ms with a float32 result and 143 ms
-    with a bf16 one. XLA's single-row bf16 product is slow there too (119 ms), so on the CPU a bf16 input of
+    is also XLA's fast path: SmolLM2's projections for 4 rows take 19 ms with a float32 result and 145 ms
+    with a bf16 one. XLA's single-row bf16 product is slow there too (116 ms), so on the CPU a bf16 input of
     one row is computed as two.
     """
     rows = math.prod(x.shape[:-1])
