@@ -25,6 +25,7 @@ from dflax import projection
 from dflax.cost_curve import COST_CURVE_SIZES, measure_cost_curve
 from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.shared_prefix import share_groups
+from dflax.drafters.dflash import DRAFT_SAMPLING_MODES
 from dflax.generation import can_share_prefix, encode_prompt, fit_to_context, generate_ids
 from dflax.prompts import load_prompts, with_system_prompt
 from dflax.roofline import measure_roofline, step_floor_s
@@ -438,7 +439,7 @@ def run_bench(
         raise ValueError(f"shared_prefix modes are none and auto, got {shared_prefix}")
     from rich.progress import Progress
 
-    if draft_sampling not in ("auto", "greedy", "sample"):
+    if draft_sampling not in DRAFT_SAMPLING_MODES:
         raise ValueError(f"draft sampling {draft_sampling!r} unknown; use auto, greedy or sample")
     if tree_budgets and not {"dflash", "dart", "lookup"} & set(methods):
         raise ValueError("--tree-budget applies to --method dflash, dart and lookup; add one of them")
@@ -504,10 +505,10 @@ def run_bench(
                 is_dart_dir(Path(drafter)) or is_diffuspec_drafter_dir(drafter)
             )
             dflash_dir = None if other_dir else drafter
-            sampling = DraftSampling.for_target(draft_sampling, temperature, tree=any(tree_budgets or [0]))
+            chains = not any(tree_budgets or [0])
+            sampling = DraftSampling.for_target(draft_sampling, temperature, tree=not chains)
             spec = load_drafter(dflash_dir or SHIPPED, loaded, draft_sampling=sampling)
             method_drafter = spec
-            chains = not any(tree_budgets or [0])
             default = AUTO if spec.accept and chains else spec.proposer.block_size
             sizes = method_sizes = block_sizes or [default]
             if AUTO in sizes and not chains:

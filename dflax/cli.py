@@ -101,7 +101,9 @@ def _load_drafter(
 ):
     """The drafter for --method dflash, dart or lookup (None for ar), with one clear error for bad input;
     `draft_sampling` ("auto", "greedy" or "sample") is resolved for the target's `temperature`."""
-    if draft_sampling not in ("auto", "greedy", "sample"):
+    from dflax.drafters.dflash import DRAFT_SAMPLING_MODES
+
+    if draft_sampling not in DRAFT_SAMPLING_MODES:
         _fail(f"--draft-sampling {draft_sampling!r}: use auto, greedy or sample")
     if tree_budget is not None and method == "ar":
         _fail(

@@ -233,6 +233,8 @@ class DFlashDrafter(nn.Module):
 # B=4 (2026-11-26): 20 prompts, tau 1.30 with greedy drafts and 1.48 / 1.55 / 1.49 / 1.45 sampled from q
 # at 0.5 / 0.7 / 1.0 / 1.4; 40 prompts, 1.53 at 0.7 and 1.50 at 1.0 (greedy drafts: 1.34).
 DRAFT_TEMPERATURE_SCALE = 0.7
+# `--draft-sampling` values (see `DraftSampling.for_target`).
+DRAFT_SAMPLING_MODES = ("auto", "greedy", "sample")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +262,7 @@ class DraftSampling:
         Raises:
           ValueError: for an unknown mode.
         """
-        if mode not in ("auto", "greedy", "sample"):
+        if mode not in DRAFT_SAMPLING_MODES:
             raise ValueError(f"draft sampling mode {mode!r} unknown; use 'auto', 'greedy' or 'sample'")
         if mode == "greedy" or (mode == "auto" and (temperature <= 0 or tree)):
             return cls("greedy")
