@@ -12,11 +12,16 @@ once (forward and backward) are those of one chunk: N * chunk * heads * T * (S +
 It is the dense reference's math (`pallas_kernels.tree_attention.reference`) with a per-block instead of a
 per-row cache length: one softmax over both key sets, accumulated in float32.
 
-Glossary of einsum letters: N sequences, M blocks (C of one chunk), T tokens per block, U the block's keys,
-S context slots, K kv heads, G query heads per kv head, H head_dim.
+The scores are laid out as the matmuls produce them, kv-head major ([N, K, blocks * rows, S]): a layout
+that needs a transpose per score tensor ([N, C, K, G, T, S]) spends twice the time moving scores on a CPU.
+
+Glossary of einsum letters: N sequences, K kv heads, C blocks of one chunk, Q query rows of one block (its
+T tokens times the G query heads of a kv head), R = C * Q, U the block's keys, S context slots, H head_dim.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,23 +29,28 @@ import jax.numpy as jnp
 from pallas_kernels.tree_attention.reference import MASK_VALUE
 
 _HI = jax.lax.Precision.HIGHEST
+_dot = functools.partial(jnp.einsum, precision=_HI, preferred_element_type=jnp.float32)
 
 
 def _chunk_attention(q, k_ctx, v_ctx, context_len, k_blk, v_blk, scale: float) -> jax.Array:
-    """One chunk of blocks: q [N, C, T, K, G, H], k/v_blk [N, C, U, K, H], context_len [N, C]."""
-    q = q.astype(jnp.float32)
-    s_ctx = jnp.einsum("NCTKGH,NSKH->NCKGTS", q, k_ctx.astype(jnp.float32), precision=_HI) * scale
-    s_blk = jnp.einsum("NCTKGH,NCUKH->NCKGTU", q, k_blk.astype(jnp.float32), precision=_HI) * scale
-    slots = jnp.arange(k_ctx.shape[1], dtype=jnp.int32)
-    visible = (slots < context_len[..., None])[:, :, None, None, None, :]  # [N, C, 1, 1, 1, S]
+    """One chunk of blocks: q [N, K, C, Q, H], k/v_ctx [N, K, S, H], context_len [N, C], k/v_blk
+    [N, K, C, U, H] -> [N, K, C, Q, H] float32."""
+    n, kv, c, rows, h = q.shape
+    s_ctx = _dot("NKRH,NKSH->NKRS", q.reshape(n, kv, c * rows, h), k_ctx).reshape(n, kv, c, rows, -1)
+    s_ctx = s_ctx * scale  # [N, K, C, Q, S]
+    s_blk = _dot("NKCQH,NKCUH->NKCQU", q, k_blk) * scale
+    slots = jnp.arange(k_ctx.shape[2], dtype=jnp.int32)
+    visible = (slots < context_len[..., None])[:, None, :, None, :]  # [N, 1, C, 1, S]
     s_ctx = jnp.where(visible, s_ctx, MASK_VALUE)
-    m = jnp.maximum(s_ctx.max(axis=-1), s_blk.max(axis=-1))[..., None]  # [N, C, K, G, T, 1]
-    p_ctx = jnp.where(visible, jnp.exp(s_ctx - m), 0.0)
+    # Every block sees its own keys, so the max is a real score and the masked slots' exp underflows to 0.
+    m = jnp.maximum(s_ctx.max(axis=-1), s_blk.max(axis=-1))[..., None]  # [N, K, C, Q, 1]
+    p_ctx = jnp.exp(s_ctx - m)
     p_blk = jnp.exp(s_blk - m)
-    denom = p_ctx.sum(axis=-1) + p_blk.sum(axis=-1)  # [N, C, K, G, T]
-    out = jnp.einsum("NCKGTS,NSKH->NCTKGH", p_ctx, v_ctx.astype(jnp.float32), precision=_HI)
-    out = out + jnp.einsum("NCKGTU,NCUKH->NCTKGH", p_blk, v_blk.astype(jnp.float32), precision=_HI)
-    return out / jnp.moveaxis(denom, -1, 2)[..., None]  # [N, C, T, K, G, H]
+    denom = p_ctx.sum(axis=-1) + p_blk.sum(axis=-1)  # [N, K, C, Q]
+    p_ctx = p_ctx.reshape(n, kv, c * rows, -1).astype(v_ctx.dtype)
+    out = _dot("NKRS,NKSH->NKRH", p_ctx, v_ctx).reshape(n, kv, c, rows, h)
+    out = out + _dot("NKCQU,NKCUH->NKCQH", p_blk.astype(v_blk.dtype), v_blk)
+    return out / denom[..., None]
 
 
 def anchored_block_attention(
@@ -56,6 +66,9 @@ def anchored_block_attention(
 ) -> jax.Array:
     """Each block attends to its context prefix and to its own tokens, in one softmax.
 
+    Products run at the inputs' precision with float32 accumulation (a bf16 forward's products on the
+    bf16 units), the softmax in float32.
+
     Args:
       q: [N, M, T, heads, H] queries (RoPE applied) of M blocks of T tokens per sequence.
       k_ctx, v_ctx: [N, S, K, H] each sequence's context keys/values, shared by its M blocks.
@@ -69,21 +82,28 @@ def anchored_block_attention(
     """
     n, m, t, heads, h = q.shape
     kv = k_ctx.shape[2]
+    g = heads // kv
     chunk = min(chunk, m)
     chunks = -(-m // chunk)
     pad = chunks * chunk - m
 
-    def split(x):  # [N, M, ...] -> [chunks, N, chunk, ...] (padding blocks see their own keys only)
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(n, chunks, chunk, *x.shape[2:]), 1, 0)
+    def split(x, axis):  # pad M to chunks * chunk and move the chunk index in front
+        x = jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)])
+        x = x.reshape(*x.shape[:axis], chunks, chunk, *x.shape[axis + 1 :])
+        return jnp.moveaxis(x, axis, 0)
 
-    grouped = q.reshape(n, m, t, kv, heads // kv, h)  # [N, M, T, K, G, H]
+    # [N, M, T, K, G, H] -> [N, K, M, T * G, H]: a block's query rows, kv-head major
+    q_rows = q.reshape(n, m, t, kv, g, h).transpose(0, 3, 1, 2, 4, 5).reshape(n, kv, m, t * g, h)
+    k_ctx_h, v_ctx_h = (x.transpose(0, 2, 1, 3) for x in (k_ctx, v_ctx))  # [N, K, S, H]
+    k_blk_h, v_blk_h = (x.transpose(0, 3, 1, 2, 4) for x in (k_blk, v_blk))  # [N, K, M, T, H]
 
     @jax.checkpoint
     def one_chunk(args):
         q_c, len_c, k_c, v_c = args
-        return _chunk_attention(q_c, k_ctx, v_ctx, len_c, k_c, v_c, sm_scale)
+        return _chunk_attention(q_c, k_ctx_h, v_ctx_h, len_c, k_c, v_c, sm_scale)
 
-    out = jax.lax.map(one_chunk, (split(grouped), split(context_len), split(k_blk), split(v_blk)))
-    out = jnp.moveaxis(out, 0, 1).reshape(n, chunks * chunk, t, heads, h)[:, :m]
-    return out.astype(q.dtype)
+    out = jax.lax.map(
+        one_chunk, (split(q_rows, 2), split(context_len, 1), split(k_blk_h, 2), split(v_blk_h, 2))
+    )
+    out = jnp.moveaxis(out, 0, 2).reshape(n, kv, chunks * chunk, t, g, h)[:, :, :m]  # [N, K, M, T, G, H]
+    return out.transpose(0, 2, 3, 1, 4, 5).reshape(n, m, t, heads, h).astype(q.dtype)
