@@ -17,19 +17,51 @@ import numpy as np
 from dflax.models.config import RopeScaling
 
 
+@jax.custom_vjp
+def _matmul_float32(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., in] times weight [out, in] transposed -> [..., out] float32 (the inputs' precision)."""
+    return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32)
+
+
+def _matmul_float32_fwd(x, weight):
+    return _matmul_float32(x, weight), (x, weight)
+
+
+def _matmul_float32_bwd(residuals, grad):
+    """The backward products at the weights' precision too (a bf16 product stays on the bf16 units; the
+    float32 cotangent would otherwise make both products float32), accumulated in float32."""
+    x, weight = residuals
+    grad = grad.astype(weight.dtype)  # [..., out]
+    dx = jnp.einsum("...o,oi->...i", grad, weight, preferred_element_type=jnp.float32)
+    rows = (-1, grad.shape[-1]), (-1, x.shape[-1])  # every leading position is one row of the product
+    dw = jnp.einsum(
+        "ro,ri->oi", grad.reshape(rows[0]), x.reshape(rows[1]), preferred_element_type=jnp.float32
+    )
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+_matmul_float32.defvjp(_matmul_float32_fwd, _matmul_float32_bwd)
+
+
+def _matmul_float32_two_rows(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """A one-row product computed as two rows (the second zero): XLA's CPU path for one bf16 row is slow."""
+    xs = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))  # [2, in]
+    return _matmul_float32(xs, weight)[:1].reshape(*x.shape[:-1], -1)
+
+
 def dot_float32(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., in] times weight [out, in] transposed -> [..., out] float32 (accumulated in float32).
 
     For bf16 weights this is what TPU and GPU matmuls do. On a CPU with AMX (this project's 2-core Xeon) it
     is also XLA's fast path: SmolLM2's projections for 4 rows take 19 ms with a float32 result and 145 ms
-    with a bf16 one. XLA's single-row bf16 product is slow there too (116 ms), so on the CPU a bf16 input of
-    one row is computed as two.
+    with a bf16 one. XLA's single-row bf16 product is slow there too (116 ms), so a bf16 input of one row
+    lowered for the CPU is computed as two (decided by the lowering platform, so a TPU or GPU program
+    compiled on this CPU keeps its one row). Its gradient's products also run at the inputs' precision
+    (bf16 training).
     """
-    rows = math.prod(x.shape[:-1])
-    pad = rows == 1 and x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
-    xs = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))) if pad else x  # [2, in]: a second, zero row
-    y = jnp.einsum("...i,oi->...o", xs, weight, preferred_element_type=jnp.float32)
-    return y[:1].reshape(*x.shape[:-1], -1) if pad else y
+    if math.prod(x.shape[:-1]) == 1 and x.dtype == jnp.bfloat16:
+        return jax.lax.platform_dependent(x, weight, cpu=_matmul_float32_two_rows, default=_matmul_float32)
+    return _matmul_float32(x, weight)
 
 
 class Linear(nn.Module):
