@@ -33,7 +33,7 @@ from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.generation import encode_prompt
 from dflax.models.transformer import Transformer
 from dflax.target import weights_fingerprint
-from dflax.train import objective
+from dflax.train import objective, trainer
 from dflax.train.dataset import write_shard
 from dflax.train.features import cache_features
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD
@@ -197,6 +197,38 @@ def test_all_anchors_in_one_forward_equal_the_per_anchor_objective(target, strid
     np.testing.assert_allclose(accuracy, (correct & blocks.valid).sum(0) / blocks.valid.sum(0), atol=1e-6)
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(expected_grads))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * scale), grads, expected_grads)
+
+
+def test_bfloat16_compute_tracks_the_float32_step(target):
+    """compute_dtype "bfloat16": the loss and the float32 master gradients follow the float32 step's
+    within bf16 rounding (the products run on bf16 copies of the weights and features)."""
+    proposer, params = tiny_proposer(target)
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(3, 256, (2, 48)).astype(np.int32)
+    lengths = np.asarray([40, 48], np.int32)
+    batch = {
+        "tokens": tokens,
+        "prompt_lens": np.asarray([5, 9], np.int32),
+        "lengths": lengths,
+        "features": padded_features(target, tokens, lengths, proposer.tap_layers).astype(jnp.bfloat16),
+    }
+    config = dataclasses.replace(TINY, anchors_per_seq=12)
+
+    def step(dtype):
+        loss_fn = trainer.dflash_loss_fn(proposer, config, dtype)
+        grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+        return grad(params, target.params, batch, jax.random.key(0))
+
+    (loss32, _), grads32 = step("float32")
+    (loss16, _), grads16 = step("bfloat16")
+    np.testing.assert_allclose(loss16, loss32, rtol=1e-2)
+    assert loss16 != loss32  # the bf16 step does round
+    flat32, flat16 = (np.concatenate([np.ravel(g) for g in jax.tree.leaves(t)]) for t in (grads32, grads16))
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads16))
+    cosine = flat16 @ flat32 / (np.linalg.norm(flat16) * np.linalg.norm(flat32))
+    assert cosine > 0.99, cosine
+    with pytest.raises(ValueError, match="compute_dtype"):
+        TrainConfig(compute_dtype="float16")
 
 
 def test_dense_anchors_at_a_stride_cover_the_response():
