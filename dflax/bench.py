@@ -25,6 +25,7 @@ from dflax import projection
 from dflax.cost_curve import COST_CURVE_SIZES, measure_cost_curve
 from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.shared_prefix import share_groups
+from dflax.divergence import first_differences
 from dflax.drafters.dflash import DRAFT_SAMPLING_MODES
 from dflax.generation import can_share_prefix, encode_prompt, fit_to_context, generate_ids
 from dflax.prompts import load_prompts, with_system_prompt
@@ -430,7 +431,9 @@ def run_bench(
       prefill_tokens_per_s, tau, accept_hist (steps by tokens committed = accepted depth + 1),
       block_size and tree_budget (None for ar and hf), step_s and step_vs_floor (one decode-loop
       iteration against this machine's floor for that many rows, see dflax.roofline), and, when "ar"
-      ran too, ar_tokens_per_s, speedup and lossless_match (fraction of prompts token-identical to ar at T=0).
+      ran too, ar_tokens_per_s, speedup and, at T=0, lossless_match (fraction of prompts token-identical
+      to ar) and first_differences (where each other output leaves ar's and the target's logits there, see
+      `dflax.divergence.first_differences`: near-ties show as gaps of a few hundredths).
       dflax's results add kv_cache_bytes (the allocated target KV cache, measured from the arrays) and
       prefix_kv_bytes (the common prompt prefixes' part of it), summed over batches.
     """
@@ -568,8 +571,9 @@ def run_bench(
         r["ar_tokens_per_s"] = ar["tokens_per_s"]
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
         if temperature == 0:
-            pairs = zip(outputs["ar", r["batch_size"]], outputs[r["method"], r["batch_size"]])
-            r["lossless_match"] = float(np.mean([a == b for a, b in pairs]))
+            reference, got = outputs["ar", r["batch_size"]], outputs[r["method"], r["batch_size"]]
+            r["lossless_match"] = float(np.mean([a == b for a, b in zip(reference, got)]))
+            r["first_differences"] = first_differences(loaded, prompt_ids, reference, got)
     _add_projection(results, loaded, spec, len(prompt_ids), dart)
     report = {
         "target": target,

@@ -118,14 +118,6 @@ def save_tiny_checkpoint(name: str, path: Path, seed: int = 0):
 def full_sequence_logits(target, ids: list[int]):
     """dflax's float32 logits [T, V] for a whole sequence: one causal forward over an empty cache (in the
     target's dtype)."""
-    import jax.numpy as jnp
-    import numpy as np
+    from dflax.divergence import sequence_logits
 
-    from dflax.decoding.cache import KVCache
-    from dflax.models.transformer import Transformer
-
-    t = len(ids)
-    cache = KVCache.init(target.config, 1, t, target.dtype)
-    mask = jnp.tril(jnp.ones((1, t, t), bool))
-    hidden, _, _ = target.module.apply(target.params, jnp.asarray([ids]), jnp.arange(t)[None], cache, mask)
-    return np.asarray(target.module.apply(target.params, hidden, method=Transformer.logits))[0]
+    return sequence_logits(target, ids)
