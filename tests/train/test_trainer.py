@@ -558,15 +558,18 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     shape = (recipe.num_layers, recipe.block_size, recipe.loss_gamma, recipe.layer_kind)
     assert shape == (3, 8, 4.0, "target")
     # The shipped drafter was trained in stages with exactly the committed recipes: the first from the
-    # target (RECIPE), each later one warm-started from the drafter before it (the -continue recipe). The
-    # fields each stage records match, and any field added since holds the default that reproduces it.
+    # target (RECIPE), each later one warm-started from the drafter before it (stages 2 and 3: the
+    # -continue recipe; 4: -stage4, the same in bf16). The fields each stage records match, and any field
+    # added since holds the default that reproduces it.
     record = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
     stages = [record]
     while "warm_start" in stages[0]:
         stages.insert(0, stages[0]["warm_start"]["record"])
     continued = RECIPE.with_name("dflash-smollm2-continue.json")
-    for i, stage in enumerate(stages):
-        committed = TrainConfig.from_json(RECIPE if i == 0 else continued)
+    recipes = (RECIPE, continued, continued, RECIPE.with_name("dflash-smollm2-stage4.json"))
+    assert len(stages) <= len(recipes)
+    for recipe_path, stage in zip(recipes, stages):
+        committed = TrainConfig.from_json(recipe_path)
         recorded = stage["train"]
         assert recorded == {k: v for k, v in committed.to_dict().items() if k in recorded}
         newer = set(committed.to_dict()) - set(recorded)
@@ -594,7 +597,7 @@ def test_pipeline_recipes_name_recipes_that_load():
         train_config = TrainConfig.from_json(root / pipeline.train_config)
         assert DataConfig.from_json(root / pipeline.data_config).target == train_config.target
         limits[path.stem] = pipeline.train_limit
-    stages = ("dflash-smollm2", "dflash-smollm2-continue", "dflash-smollm2-stage3")
+    stages = ("dflash-smollm2", "dflash-smollm2-continue", "dflash-smollm2-stage3", "dflash-smollm2-stage4")
     assert [limits[stage] for stage in stages] == sorted({limits[stage] for stage in stages})
 
 
