@@ -112,7 +112,8 @@ LAYER_KINDS = ("qwen3", "target")
 
 # The precision of a DFlash step's products: "float32", or "bfloat16" (float32 master weights and optimizer,
 # the forward and backward products on bf16 copies with float32 accumulation, norms, softmax and loss in
-# float32). On this project's AMX CPU a B=8, 64-anchor step of 4 sequences takes ~2.5x less time in bf16.
+# float32). On this project's AMX CPU a B=8, 64-anchor step of 4 x 512 tokens takes 1.85 s in float32 and
+# 1.27 s in bf16.
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
@@ -391,7 +392,6 @@ def dflash_loss_fn(proposer: DFlashProposer, config: TrainConfig, compute_dtype:
     products at `compute_dtype` (see COMPUTE_DTYPES)."""
     weights = objective.position_weights(config.block_size, config.loss_gamma)  # [n]
     n = config.block_size - 1
-
     dtype = jnp.dtype(compute_dtype)
 
     def loss_fn(params, target_params, batch, key):
