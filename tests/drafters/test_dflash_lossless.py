@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from greedy_decoding import greedy
-from tiny_checkpoints import full_sequence_logits
 
 import dflax
 from dflax.decoding.cache import KVCache
 from dflax.decoding.sampling import SamplingParams
+from dflax.divergence import first_differences
 from dflax.drafters import load_drafter
 
 # Top-2 logit gap below which a greedy divergence is a numerical tie, by the target's dtype. bf16: a few
@@ -34,12 +34,10 @@ def target(tiny_checkpoint):
 
 def assert_same_or_near_tie(target, prompt, expected, got):
     """Token-identical, or the first difference sits at a recorded near-tie of the target's logits."""
-    if expected == got:
+    differences = first_differences(target, [prompt], [expected], [got])
+    if not differences:
         return
-    i = next(j for j, (a, b) in enumerate(zip(expected, got)) if a != b)
-    logits = full_sequence_logits(target, prompt + expected[:i])[-1]
-    top2 = np.sort(logits)[-2:]
-    gap = float(top2[1] - top2[0])
+    i, gap = differences[0]["position"], differences[0]["top2_gap"]
     tie = NEAR_TIE[jnp.dtype(target.dtype).name]
     assert gap < tie, f"outputs differ at token {i} where the target's top-2 gap is {gap:.3g} (tie < {tie})"
     print(f"recorded near-tie: token {i}, top-2 gap {gap:.3g}")
