@@ -6,10 +6,11 @@ back every epoch (see `dflax.train.trainer` for the measurement behind this choi
 target's prefill (an empty cache, the sequences' real tokens packed back to back:
 `objective.target_features`), which returns exactly what is stored: only real tokens, back to back
 ([T, K * D] for T tokens in all), as uint16 bits of bf16 so the file is a plain .npy. A `.json` beside it
-records what it holds (a digest of each sequence, the tapped layers and a fingerprint of the target's
-weights) and how many sequences are done, so an interrupted fill resumes, a cache of other weights is
-rebuilt, and a cache whose first sequences are the new data's first sequences keeps them: data grows by
-appending shards, so a retrain on more data computes only the new sequences' features.
+records what it holds (a digest of each sequence, the tapped layers, a fingerprint of the target's
+weights and the precision of its forward) and how many sequences are done, so an interrupted fill
+resumes, a cache of other weights or precision is rebuilt, and a cache whose first sequences are the new
+data's first sequences keeps them: data grows by appending shards, so a retrain on more data computes only
+the new sequences' features.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def cache_features(
     *,
     target: Target,
     weights: str,
+    dtype: str,
     taps: tuple[int, ...],
     compute: Callable,
     rows: int,
@@ -130,6 +132,7 @@ def cache_features(
       lengths: [N] their real lengths (each <= pack_tokens).
       target: the target whose parameters `compute` runs.
       weights: the fingerprint of those parameters (`dflax.target.weights_fingerprint`).
+      dtype: the precision `compute` runs the target at (a cache of another precision is rebuilt).
       taps: the tapped layers (K of them).
       compute: (target_params, tokens [rows, S], lengths [rows]) -> [pack_tokens, K * D] bf16 features of
         the rows' real tokens back to back (rows of length 0 are unused).
@@ -144,7 +147,7 @@ def cache_features(
     num_seqs = tokens.shape[0]
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     record_path = path.with_suffix(".json")
-    source = {"weights": weights, "taps": list(taps)}
+    source = {"weights": weights, "dtype": dtype, "taps": list(taps)}
     digests = sequence_digests(tokens, lengths)
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     shape = (int(offsets[-1]), len(taps) * target.config.hidden_size)

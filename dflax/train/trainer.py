@@ -96,6 +96,7 @@ _ORDER_FIELDS = (
     "anchor_stride",
     "block_size",
     "draft_vocab_size",
+    "length_bucket",
 )
 
 # How a run's drafter starts: random weights, the target's last layers (dflax.train.target_init), or an
@@ -115,6 +116,11 @@ LAYER_KINDS = ("qwen3", "target")
 # float32). On this project's AMX CPU a B=8, 64-anchor step of 4 x 512 tokens takes 1.85 s in float32 and
 # 1.27 s in bf16.
 COMPUTE_DTYPES = ("float32", "bfloat16")
+
+# The precision of the frozen target forward that fills the feature cache: "float32" (the target as
+# loaded), or "bfloat16" (the target's bf16 forward, as `--dtype bfloat16` decodes; bf16 weights are what
+# SmolLM2 and Gemma ship, so a float32 load holds exactly their values). The cache stores bf16 either way.
+FEATURE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +154,11 @@ class TrainConfig(RunSettings):
       ngram_min_count: DART's exported n-gram counts (orders 3 and 2 of the training responses) keep the
         n-grams seen at least this often.
       compute_dtype: DFlash's step precision, "float32" or "bfloat16" (see COMPUTE_DTYPES).
+      feature_dtype: the precision of the target forward that computes the cached features, "float32"
+        or "bfloat16" (see FEATURE_DTYPES).
+      length_bucket: 0 = every training batch is max_seq_len long; b > 0 = a batch is cut to its longest
+        sequence rounded up to a multiple of b (one compiled step per length), so short batches skip the
+        context work of empty positions.
     """
 
     method: str = "dflash"
@@ -167,6 +178,8 @@ class TrainConfig(RunSettings):
     depth_decay: float = dart_objective.DEPTH_DECAY
     ngram_min_count: int = 2
     compute_dtype: str = "float32"
+    feature_dtype: str = "float32"
+    length_bucket: int = 0
 
     def __post_init__(self):
         if self.target_layer_ids is not None:
@@ -200,6 +213,8 @@ class TrainConfig(RunSettings):
                 f"training config: layer_kind {self.layer_kind!r} unknown; "
                 f"use one of {', '.join(LAYER_KINDS)}"
             )
+        if self.length_bucket < 0:
+            raise ValueError(f"training config: length_bucket must be >= 0, got {self.length_bucket}")
         if self.anchor_stride < 0:
             raise ValueError(f"training config: anchor_stride must be >= 0, got {self.anchor_stride}")
         if self.method not in METHODS:
@@ -210,6 +225,11 @@ class TrainConfig(RunSettings):
             raise ValueError(
                 f"training config: compute_dtype {self.compute_dtype!r} unknown; "
                 f"use one of {', '.join(COMPUTE_DTYPES)}"
+            )
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(
+                f"training config: feature_dtype {self.feature_dtype!r} unknown; "
+                f"use one of {', '.join(FEATURE_DTYPES)}"
             )
         if self.method == "dart":
             if self.compute_dtype != "float32":
@@ -298,19 +318,30 @@ class PaddedSequences:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def take(self, index: np.ndarray, features: FeatureCache) -> dict:
-        """The batch of rows `index` (-1 = an empty padding row) with its cached features.
+    def width(self, index: np.ndarray, bucket: int) -> int:
+        """W, the length a batch of rows `index` is cut to: S with bucket 0, else its longest sequence
+        rounded up to a multiple of `bucket` (at most S)."""
+        max_len = self.tokens.shape[1]
+        if not bucket:
+            return max_len
+        longest = int(self.lengths[index[index >= 0]].max(initial=1))
+        return min(max_len, -(-longest // bucket) * bucket)
+
+    def take(self, index: np.ndarray, features: FeatureCache, width: int | None = None) -> dict:
+        """The batch of rows `index` (-1 = an empty padding row) with its cached features, `width` long
+        (default S; at least the rows' longest sequence).
 
         Returns:
-          {"tokens" [N, S], "prompt_lens" [N], "lengths" [N], "features" [N, S, K * D] bf16} arrays.
+          {"tokens" [N, W], "prompt_lens" [N], "lengths" [N], "features" [N, W, K * D] bf16} arrays.
         """
+        width = width or self.tokens.shape[1]
         empty = index < 0
         rows = np.where(empty, 0, index)
         return {
-            "tokens": np.where(empty[:, None], 0, self.tokens[rows]),
+            "tokens": np.where(empty[:, None], 0, self.tokens[rows, :width]),
             "prompt_lens": self.prompt_lens[rows],
             "lengths": np.where(empty, 0, self.lengths[rows]).astype(np.int32),
-            "features": features.batch(index, self.tokens.shape[1]),
+            "features": features.batch(index, width),
         }
 
 
@@ -488,7 +519,8 @@ class _Programs:
       sharding: where the state and batches live on the target's mesh (None: one device).
       train_step, eval_step: see `make_steps`.
       features: (target_params, tokens [rows, S], lengths [rows]) -> [L, K * D] bf16 target features of the
-        rows' real tokens back to back (the prefill path; rows and L from the recipe).
+        rows' real tokens back to back (the prefill path at the recipe's feature_dtype; rows and L from
+        the recipe).
       taps: the target layers cached as features (DART's: its fused layers, then the target's last).
     """
 
@@ -499,6 +531,20 @@ class _Programs:
     eval_step: Callable
     features: Callable
     taps: tuple[int, ...]
+
+
+def feature_program(target: Transformer, taps: tuple[int, ...], pack_tokens: int, dtype: str) -> Callable:
+    """The jitted (target_params, tokens [rows, S], lengths [rows]) -> [pack_tokens, K * D] bf16 features of
+    the rows' real tokens back to back (`objective.target_features`), the target run at `dtype` (one of
+    FEATURE_DTYPES; its parameters are cast to it)."""
+    feature_target = target.clone(dtype=jnp.dtype(dtype))
+
+    def features(params, tokens, lengths):
+        params = jax.tree.map(lambda a: a.astype(feature_target.dtype), params)
+        out = objective.target_features(feature_target, params, tokens, lengths, taps, pack_tokens)
+        return out.astype(jnp.bfloat16)
+
+    return jax.jit(features)
 
 
 @functools.lru_cache(maxsize=4)
@@ -529,12 +575,7 @@ def _programs(
         taps = drafter.target_layer_ids
     sharding = None if mesh is None else TrainingSharding.for_drafter(drafter.layers, mesh)
     train_step, eval_step = make_steps(loss_fn, tx, sharding, eval_loss_fn)
-    pack = config.feature_tokens
-    features = jax.jit(
-        lambda params, tokens, lengths: objective.target_features(
-            target, params, tokens, lengths, taps, pack
-        ).astype(jnp.bfloat16)
-    )
+    features = feature_program(target, taps, config.feature_tokens, config.feature_dtype)
     return _Programs(module, tx, sharding, train_step, eval_step, features, taps)
 
 
@@ -782,6 +823,7 @@ def train(
             cache_features,
             target=target,
             weights=weights_fingerprint(target),
+            dtype=config.feature_dtype,
             taps=programs.taps,
             compute=programs.features,
             rows=config.feature_rows,
@@ -797,7 +839,8 @@ def train(
         )
         t0 = time.perf_counter()
         while step < total_steps and stop.signum is None:
-            batch = data.take(batch_index(len(data), config.batch_size, config.seed, step), features)
+            index = batch_index(len(data), config.batch_size, config.seed, step)
+            batch = data.take(index, features, data.width(index, config.length_bucket))
             tokens += int(batch["lengths"].sum())
             state, metrics = programs.train_step(state, target.params, place_batch(batch))
             step += 1

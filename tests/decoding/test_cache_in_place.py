@@ -33,12 +33,14 @@ def cache_copies(hlo: str, config) -> int:
     return len(re.findall(rf"= {shape}\S* copy\(%(?!(wrapped_)?broadcast)", hlo))
 
 
-@pytest.mark.parametrize("with_drafter", ["plain", "dflash", "lookup"])
+@pytest.mark.parametrize("with_drafter", ["plain", "dflash", "dflash-tree", "lookup"])
 def test_prefill_and_decode_loop_do_not_copy_the_cache(target, with_drafter):
-    """Lookup's steps choose between a plain step and a verify of drafts (`lax.cond`): neither copies."""
+    """Lookup's steps choose between a plain step and a verify of drafts (`lax.cond`): neither copies. A
+    tree's step moves the accepted path's K/V inside the cache (`compact_path`): in place too."""
     drafter = {
         "plain": None,
         "dflash": dflax.load_drafter("untrained", target, block_size=4),
+        "dflash-tree": dflax.load_drafter("untrained", target, block_size=4).with_tree_budget(6),
         "lookup": dflax.prompt_lookup(4),
     }[with_drafter]
     proposer = drafter.proposer if drafter else None
@@ -66,5 +68,5 @@ def test_prefill_and_decode_loop_do_not_copy_the_cache(target, with_drafter):
     )
     hlo = loop.lower(target.params, state, sampling, drafter_params).compile().as_text()
     assert cache_copies(hlo, target.config) == 0
-    if with_drafter == "dflash":
+    if with_drafter.startswith("dflash"):
         assert cache_copies(hlo, drafter.proposer.module.config.layers) == 0

@@ -35,9 +35,9 @@ from dflax.models.transformer import Transformer
 from dflax.target import weights_fingerprint
 from dflax.train import objective, trainer
 from dflax.train.dataset import write_shard
-from dflax.train.features import cache_features
+from dflax.train.features import FeatureCache, cache_features
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD
-from dflax.train.trainer import TrainConfig, batch_index, pad_sequences, train
+from dflax.train.trainer import TrainConfig, batch_index, feature_program, pad_sequences, train
 from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
 
 RECIPE = Path(__file__).parents[2] / "configs/train/dflash-smollm2.json"
@@ -231,6 +231,33 @@ def test_bfloat16_compute_tracks_the_float32_step(target):
         TrainConfig(compute_dtype="float16")
 
 
+def test_a_batch_cut_to_its_length_bucket_gives_the_full_width_loss(target):
+    """length_bucket: a batch cut to its longest sequence (rounded up to the bucket) trains on the same
+    blocks as the max_seq_len batch (anchors at a stride do not depend on the width) with the same loss."""
+    proposer, params = tiny_proposer(target)
+    rng = np.random.default_rng(7)
+    max_len, lengths = 64, np.asarray([30, 17, 64, 21], np.int32)
+    tokens = rng.integers(3, 256, (4, max_len)).astype(np.int32) * (np.arange(max_len) < lengths[:, None])
+    data = trainer.PaddedSequences(tokens, np.asarray([4, 6, 5, 3], np.int32), lengths)
+    packed = padded_features(target, tokens, lengths, proposer.tap_layers).astype(jnp.bfloat16)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    flat = np.concatenate([np.asarray(packed[i, :n]) for i, n in enumerate(lengths)]).view(np.uint16)
+    features = FeatureCache(flat, offsets)
+    assert [data.width(np.asarray(i), 16) for i in ([0, 1], [1, 3], [0, 2], [1, -1])] == [32, 32, 64, 32]
+    assert data.width(np.asarray([0, 1]), 0) == max_len
+    config = dataclasses.replace(TINY, anchors_per_seq=12, anchor_stride=2, length_bucket=16)
+    loss_fn = jax.jit(trainer.dflash_loss_fn(proposer, config))
+    index = np.asarray([0, 1])
+    cut = data.take(index, features, data.width(index, config.length_bucket))
+    assert cut["tokens"].shape == (2, 32) and cut["features"].shape[:2] == (2, 32)
+    full = data.take(index, features)
+    key = jax.random.key(0)
+    (loss_cut, _), (loss_full, _) = (loss_fn(params, target.params, b, key) for b in (cut, full))
+    np.testing.assert_allclose(loss_cut, loss_full, rtol=1e-5)
+    with pytest.raises(ValueError, match="length_bucket"):
+        TrainConfig(length_bucket=-1)
+
+
 def test_dense_anchors_at_a_stride_cover_the_response():
     key = jax.random.key(0)
     every, used = objective.sample_anchors(key, jnp.int32(5), jnp.int32(30), 64, 40, stride=1)
@@ -260,6 +287,21 @@ def test_target_features_through_the_packed_prefill_equal_a_plain_forward(target
             expected = np.concatenate([np.asarray(t[0]) for t in plain], -1)  # [length, K * D]
             np.testing.assert_allclose(packed[start : start + length], expected, rtol=1e-5, atol=1e-5)
         start += length
+
+
+def test_bfloat16_features_are_the_bfloat16_targets_prefill(target, tiny_checkpoint):
+    """feature_dtype "bfloat16" runs the float32-loaded target as a bf16 load of it would run."""
+    taps, pack = (0, 2), 32
+    tokens = jnp.asarray(np.random.default_rng(6).integers(3, 256, (2, 16)), jnp.int32)
+    lengths = jnp.asarray([16, 11], jnp.int32)
+    bf16 = dflax.load_target(str(tiny_checkpoint("qwen3")[0]), dtype="bfloat16")
+    expected = features_of(bf16.module, bf16.params, tokens, lengths, taps, pack)[:27]
+    got = feature_program(target.module, taps, pack, "bfloat16")(target.params, tokens, lengths)[:27]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+    full = np.asarray(feature_program(target.module, taps, pack, "float32")(target.params, tokens, lengths))
+    full = full[:27].astype(np.float32)
+    assert not np.array_equal(np.asarray(got, np.float32), full)  # another forward, close to float32's
+    np.testing.assert_allclose(np.asarray(got, np.float32), full, rtol=0.1, atol=0.1)
 
 
 def test_position_weights_and_paper_gamma():
@@ -660,8 +702,8 @@ def test_feature_cache_resumes_an_interrupted_fill_and_rebuilds_for_other_data(t
     expected = np.where((np.arange(6) < lengths[:, None])[..., None], np.asarray(features(tokens)), 0)
     calls = []
     fill = functools.partial(
-        cache_features, target=target, weights="w0", taps=(0, 1, 2), compute=compute, rows=rows,
-        pack_tokens=pack, progress=Progress(),
+        cache_features, target=target, weights="w0", dtype="float32", taps=(0, 1, 2), compute=compute,
+        rows=rows, pack_tokens=pack, progress=Progress(),
     )  # fmt: skip
     stop_after_one = lambda: calls.append(1) or len(calls) > 1  # noqa: E731
     assert fill(tmp_path / "f.npy", tokens, lengths, should_stop=stop_after_one) is None
@@ -692,8 +734,8 @@ def test_feature_cache_grown_by_more_data_computes_only_the_new_sequences(target
 
     log = io.StringIO()  # a log file, not a terminal: the fill prints lines where a terminal gets a bar
     fill = functools.partial(
-        cache_features, target=target, weights="w0", taps=(0, 1, 2), compute=compute, rows=1, pack_tokens=6,
-        progress=Progress(console=Console(file=log)), should_stop=lambda: False,
+        cache_features, target=target, weights="w0", dtype="float32", taps=(0, 1, 2), compute=compute,
+        rows=1, pack_tokens=6, progress=Progress(console=Console(file=log)), should_stop=lambda: False,
     )  # fmt: skip
     tokens = (np.arange(8)[:, None] * 10 + np.arange(6)).astype(np.int32)  # sequence i starts with 10 * i
     lengths = np.asarray([6, 3, 5, 6, 2, 6, 4, 6], np.int32)
@@ -711,6 +753,9 @@ def test_feature_cache_grown_by_more_data_computes_only_the_new_sequences(target
     assert computed == [60, 70]
     computed.clear()
     fill(tmp_path / "f.npy", changed, lengths, weights="w1")  # other weights keep nothing
+    assert computed == [0, 10, 20, 30, 40, 50, 60, 70]
+    computed.clear()
+    fill(tmp_path / "f.npy", changed, lengths, weights="w1", dtype="bfloat16")  # nor another precision
     assert computed == [0, 10, 20, 30, 40, 50, 60, 70]
 
 
