@@ -221,16 +221,12 @@ class TrainConfig(RunSettings):
             raise ValueError(
                 f"training config: method {self.method!r} unknown; use one of {', '.join(METHODS)}"
             )
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(
-                f"training config: compute_dtype {self.compute_dtype!r} unknown; "
-                f"use one of {', '.join(COMPUTE_DTYPES)}"
-            )
-        if self.feature_dtype not in FEATURE_DTYPES:
-            raise ValueError(
-                f"training config: feature_dtype {self.feature_dtype!r} unknown; "
-                f"use one of {', '.join(FEATURE_DTYPES)}"
-            )
+        for name, choices in (("compute_dtype", COMPUTE_DTYPES), ("feature_dtype", FEATURE_DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"training config: {name} {getattr(self, name)!r} unknown; "
+                    f"use one of {', '.join(choices)}"
+                )
         if self.method == "dart":
             if self.compute_dtype != "float32":
                 raise ValueError("training config: DART trains in float32; set compute_dtype 'float32'")
