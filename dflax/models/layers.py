@@ -19,8 +19,16 @@ from dflax.models.config import RopeScaling
 
 @jax.custom_vjp
 def _matmul_float32(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., in] times weight [out, in] transposed -> [..., out] float32 (the inputs' precision)."""
-    return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32)
+    """x [..., in] times weight [out, in] transposed -> [..., out] float32 (the inputs' precision).
+
+    The product is taken on x's rows as one [rows, in] matrix: XLA's CPU backend multiplies a 2-D left
+    operand by the weight as stored, but gives a product with more leading axes (a [B, T, in] verify
+    block) a transposed copy of the weight, which inside the decode loop is hoisted and paid once per
+    call: a copy of every weight of the model per `generate` batch.
+    """
+    rows = x.reshape(-1, x.shape[-1])  # [rows, in]
+    out = jnp.einsum("ri,oi->ro", rows, weight, preferred_element_type=jnp.float32)  # [rows, out]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _matmul_float32_fwd(x, weight):
