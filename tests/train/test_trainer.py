@@ -601,14 +601,17 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     assert shape == (3, 8, 4.0, "target")
     # The shipped drafter was trained in stages with exactly the committed recipes: the first from the
     # target (RECIPE), each later one warm-started from the drafter before it (stages 2 and 3: the
-    # -continue recipe; 4: -stage4, the same in bf16). The fields each stage records match, and any field
-    # added since holds the default that reproduces it.
+    # -continue recipe; 4: -stage4, the same in bf16; 5: -stage5, with bf16 features and length
+    # buckets). The fields each stage records match, and any field added since holds the default that
+    # reproduces it.
     record = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
     stages = [record]
     while "warm_start" in stages[0]:
         stages.insert(0, stages[0]["warm_start"]["record"])
     continued = RECIPE.with_name("dflash-smollm2-continue.json")
-    recipes = (RECIPE, continued, continued, RECIPE.with_name("dflash-smollm2-stage4.json"))
+    recipes = (RECIPE, continued, continued) + tuple(
+        RECIPE.with_name(f"dflash-smollm2-stage{stage}.json") for stage in (4, 5)
+    )
     assert len(stages) <= len(recipes)
     for recipe_path, stage in zip(recipes, stages):
         committed = TrainConfig.from_json(recipe_path)
@@ -639,7 +642,9 @@ def test_pipeline_recipes_name_recipes_that_load():
         train_config = TrainConfig.from_json(root / pipeline.train_config)
         assert DataConfig.from_json(root / pipeline.data_config).target == train_config.target
         limits[path.stem] = pipeline.train_limit
-    stages = ("dflash-smollm2", "dflash-smollm2-continue", "dflash-smollm2-stage3", "dflash-smollm2-stage4")
+    stages = ("dflash-smollm2", "dflash-smollm2-continue") + tuple(
+        f"dflash-smollm2-stage{n}" for n in (3, 4, 5)
+    )
     assert [limits[stage] for stage in stages] == sorted({limits[stage] for stage in stages})
 
 
