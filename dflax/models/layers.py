@@ -22,7 +22,7 @@ def _matmul_float32(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., in] times weight [out, in] transposed -> [..., out] float32 (the inputs' precision).
 
     The product is taken on x's rows as one [rows, in] matrix: XLA's CPU backend multiplies a 2-D left
-    operand by the weight as stored, but gives a product with more leading axes (a [B, T, in] verify
+    operand by the weight as stored, but gives a bf16 product with more leading axes (a [B, T, in] verify
     block) a transposed copy of the weight, which inside the decode loop is hoisted and paid once per
     call: a copy of every weight of the model per `generate` batch.
     """
