@@ -135,10 +135,15 @@ def accept_ratio(
     # u < p / q, written without the division so q == 0 cannot produce NaN.
     num_accepted = _accepted_prefix_length(u * q_draft < p_draft)
 
-    residual = jnp.maximum(p[:, :-1] - q, 0.0)  # [B, T, V]
+    # Only the position at num_accepted emits a token, so only its distribution is drawn from (one draw
+    # over the vocabulary per row, not T + 1). The bonus position has no draft: q = 0 there, residual = p.
+    at = num_accepted[:, None, None]  # [B, 1, 1]
+    p_next = jnp.take_along_axis(p, at, axis=1)[:, 0]  # [B, V]
+    q_next = jnp.take_along_axis(q, jnp.minimum(at, q.shape[1] - 1), axis=1)[:, 0]  # [B, V]
+    q_next = jnp.where(at[:, 0] < q.shape[1], q_next, 0.0)
+    residual = jnp.maximum(p_next - q_next, 0.0)  # [B, V], unnormalised
     # An all-zero residual means p == q, where rejection has probability 0; p keeps the draw well defined.
-    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p[:, :-1])
-    next_probs = jnp.concatenate([residual, p[:, -1:]], axis=1)  # [B, T + 1, V], unnormalised
-    next_logits = jnp.where(next_probs > 0, jnp.log(next_probs), NEG_INF)
-    next_tokens = categorical(key_residual, next_logits)  # [B, T + 1]
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_next)
+    next_token = categorical(key_residual, jnp.where(residual > 0, jnp.log(residual), NEG_INF))  # [B]
+    next_tokens = jnp.broadcast_to(next_token[:, None], p.shape[:2])  # [B, T + 1], read at num_accepted
     return commit_tokens(draft_tokens, num_accepted, next_tokens)
