@@ -3,9 +3,10 @@
 HumanEval asks a model to complete a function from its signature and docstring; the standard library holds
 thousands of such functions. Each prompt is one documented function's source from its `def` line through
 the end of its docstring, dedented to the top level, as a raw completion (no chat template), so the target
-writes the body the way it would for a benchmark prompt. Test packages and private modules are skipped,
-prompts are deduplicated, any prompt containing a benchmark prompt is dropped, and the rest is split into
-train / validation by a hash of the text, as for ShareGPT.
+writes the body the way it would for a benchmark prompt. A second prompt set does the same for documented
+classes (the `class` line through the docstring: the target writes the methods). Test packages and private
+modules are skipped, prompts are deduplicated, any prompt containing a benchmark prompt is dropped, and the
+rest is split into train / validation by a hash of the text, as for ShareGPT.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dflax.train.sharegpt import SPLITS, benchmark_texts, normalize, split_of
 
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__", "turtledemo"}
 _MIN_DOCSTRING_CHARS = 20
+# What a prompt set is cut from, and the prefix of its prompt ids.
+DEFINITION_KINDS = {"function": "stdlib", "class": "stdlib-class"}
 
 
 def stdlib_dir() -> Path:
@@ -43,44 +46,54 @@ def _source_files(root: Path) -> list[Path]:
     )
 
 
-def function_prompts(path: Path, source: str) -> Iterator[tuple[str, str]]:
-    """(qualified name, prompt) for each documented function of one module's source.
+def definition_prompts(source: str, kind: str = "function") -> Iterator[tuple[str, str]]:
+    """(qualified name, prompt) for each documented definition of one module's source.
 
-    The prompt is the function's decorators-free source from `def` through its docstring, dedented.
-    Functions whose docstring is shorter than 20 characters, or whose header cannot be cut cleanly, are
-    skipped.
+    Args:
+      source: a module's Python source.
+      kind: "function" (def and async def) or "class".
+
+    The prompt is the definition's decorator-free source from its `def` / `class` line through its
+    docstring, dedented. Definitions whose docstring is shorter than 20 characters are skipped; a module
+    that does not parse yields nothing.
     """
+    if kind not in DEFINITION_KINDS:
+        raise ValueError(f"kind {kind!r} unknown; choose one of {', '.join(DEFINITION_KINDS)}")
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return
     lines = source.splitlines()
+    wanted = ast.ClassDef if kind == "class" else (ast.FunctionDef, ast.AsyncFunctionDef)
 
     def visit(node: ast.AST, prefix: str) -> Iterator[tuple[str, str]]:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef):
-                yield from visit(child, f"{prefix}{child.name}.")
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(child, wanted):
                 doc = ast.get_docstring(child, clean=False)
                 body0 = child.body[0] if child.body else None
                 if doc and len(doc.strip()) >= _MIN_DOCSTRING_CHARS and body0 is not None:
                     text = "\n".join(lines[child.lineno - 1 : body0.end_lineno])
                     yield f"{prefix}{child.name}", textwrap.dedent(text) + "\n"
+            if isinstance(child, ast.ClassDef):  # methods and nested classes
+                yield from visit(child, f"{prefix}{child.name}.")
 
     yield from visit(tree, "")
 
 
 def load_stdlib_prompts(
-    validation_fraction: float, root: Path | None = None
+    validation_fraction: float, root: Path | None = None, kind: str = "function"
 ) -> dict[str, list[PromptRecord]]:
-    """Documented standard-library functions as raw completion prompts, split by a hash of their text.
+    """Documented standard-library functions (or classes) as raw completion prompts, split by a hash of
+    their text.
 
     Args:
       validation_fraction: share of prompts (by text hash) held out for validation.
       root: the library directory to read (default: this interpreter's standard library).
+      kind: "function" or "class" (see `definition_prompts`).
 
     Returns:
-      {"train": [...], "validation": [...]}, each in file order; ids are "stdlib:<module path>:<qualname>".
+      {"train": [...], "validation": [...]}, each in file order; ids are "stdlib:<module path>:<qualname>"
+      for functions and "stdlib-class:<module path>:<qualname>" for classes.
     """
     root = root or stdlib_dir()
     exclude = [t for t in benchmark_texts() if t]
@@ -92,12 +105,12 @@ def load_stdlib_prompts(
         except (OSError, UnicodeDecodeError):
             continue
         module = path.relative_to(root).as_posix()
-        for qualname, prompt in function_prompts(path, source):
+        for qualname, prompt in definition_prompts(source, kind):
             key = normalize(prompt)
             if key in seen or any(bench in key for bench in exclude):
                 continue
             seen.add(key)
             splits[split_of(key, validation_fraction)].append(
-                PromptRecord(f"stdlib:{module}:{qualname}", prompt)
+                PromptRecord(f"{DEFINITION_KINDS[kind]}:{module}:{qualname}", prompt)
             )
     return splits

@@ -41,7 +41,9 @@ from dflax.train.dataset import (
 from dflax.train.recipe import read_recipe
 from dflax.train.sharegpt import SPLITS, load_sharegpt
 
-PROMPT_SOURCES = ("sharegpt", "stdlib")
+# Prompt sets: ShareGPT first turns (chat), documented standard-library functions and classes (code).
+PROMPT_SOURCES = ("sharegpt", "stdlib", "stdlib-classes")
+_STDLIB_KINDS = {"stdlib": "function", "stdlib-classes": "class"}
 
 # Settings that do not change the generated sequences, so a rerun may change them freely.
 _RUN_ONLY = ("batch_size", "refill_every")
@@ -62,7 +64,8 @@ class DataConfig:
       refill_every: decode steps between refills of finished rows (continuous batching; 0 = static
         batches); does not change the output.
       seed: shuffles the prompts and seeds each prompt's sampling.
-      sources: prompt sets, from "sharegpt" (chat) and "stdlib" (code completion), shuffled together.
+      sources: prompt sets, shuffled together: "sharegpt" (chat), "stdlib" (code completion of documented
+        functions) and "stdlib-classes" (of documented classes).
     """
 
     target: str = DEFAULT_TARGET
@@ -108,8 +111,8 @@ class DataConfig:
         """The settings that determine the sequences (a data directory is made under one of these), as
         JSON values."""
         settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in _RUN_ONLY}
-        if "stdlib" in self.sources:
-            settings["stdlib_version"] = stdlib_version()  # the stdlib's functions fix the prompt set
+        if set(_STDLIB_KINDS) & set(self.sources):
+            settings["stdlib_version"] = stdlib_version()  # the stdlib's source fixes the prompt set
         return json.loads(json.dumps(settings))
 
 
@@ -120,7 +123,7 @@ def load_prompts(config: DataConfig, split: str) -> list[PromptRecord]:
         if source == "sharegpt":
             prompts += load_sharegpt(config.validation_fraction).split(split)
         else:
-            prompts += load_stdlib_prompts(config.validation_fraction)[split]
+            prompts += load_stdlib_prompts(config.validation_fraction, kind=_STDLIB_KINDS[source])[split]
     return prompts
 
 

@@ -1,7 +1,8 @@
 """`dflax pipeline`: data, training and export of a drafter as one resumable command.
 
 A pipeline recipe (configs/pipeline/*.json) names a data recipe, a training recipe, how many prompts of
-each split to answer, and where the result goes. Every step resumes (make-data keeps finished shards,
+each split to answer, and where the result goes; `extra_data` adds training answers made under other data
+recipes (other prompt sets, each in its own directory). Every step resumes (make-data keeps finished shards,
 train restores its latest checkpoint), so an interrupted pipeline is rerun with the same command. The
 exported drafter is copied to `ship_to` with TRAINING.json: what data it saw, the recipe, the steps, the
 training wall time, the final validation numbers and every validation (per-position acceptance and
@@ -27,6 +28,30 @@ from dflax.train.trainer import TrainConfig, TrainResult, train
 
 
 @dataclasses.dataclass(frozen=True)
+class ExtraData:
+    """More training answers from another data recipe, appended after the main data's.
+
+    Attributes:
+      data_config: path of the data recipe (configs/data/*.json), for the pipeline's target.
+      data_dir: where make-data writes its shards (a directory of its own: one recipe per directory).
+      train_limit: its training prompts to answer and train on (None = the whole split).
+    """
+
+    data_config: str
+    data_dir: str
+    train_limit: int | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ExtraData:
+        """Builds one entry of a pipeline's `extra_data`; unknown keys are an error naming the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"extra_data: unknown keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """One drafter's pipeline (configs/pipeline/*.json).
 
@@ -38,6 +63,8 @@ class PipelineConfig:
       validation_limit: held-out prompts to answer and validate on.
       train_limit: training prompts to answer and train on (None = the whole split).
       ship_to: directory the exported drafter is copied to (None = leave it in run_dir/drafter).
+      extra_data: more training answers from other data recipes (`ExtraData`, or its JSON object), trained
+        on after the main data's; validation stays the main data's held-out answers.
     """
 
     data_config: str
@@ -47,6 +74,11 @@ class PipelineConfig:
     validation_limit: int = 32
     train_limit: int | None = None
     ship_to: str | None = None
+    extra_data: tuple[ExtraData, ...] = ()
+
+    def __post_init__(self):
+        extra = tuple(e if isinstance(e, ExtraData) else ExtraData.from_dict(e) for e in self.extra_data)
+        object.__setattr__(self, "extra_data", extra)
 
     @classmethod
     def from_json(cls, path: str | Path) -> PipelineConfig:
@@ -60,16 +92,30 @@ def split_counts(sequences: list[tuple[np.ndarray, int]]) -> dict[str, int]:
 
 
 def training_record(
-    run_dir: Path, data_dir: Path, config: TrainConfig, result: TrainResult, splits: dict[str, list]
+    run_dir: Path,
+    data_dir: Path,
+    config: TrainConfig,
+    result: TrainResult,
+    splits: dict[str, list],
+    extra: list[tuple[Path, list]] | None = None,
 ) -> dict:
-    """What the shipped drafter was trained on (the generation recipe from the manifest, the counts of the
-    sequences in `splits` that training saw), how long it took, how validation went (metrics.jsonl) and,
-    for a warm start, the record of the drafter it started from."""
+    """What the shipped drafter was trained on, how long it took, how validation went and where it started.
+
+    The data: the generation recipe from the manifest and the counts of the sequences in `splits` that
+    training saw; with `extra` ([(data directory, its training sequences)]), each extra directory's recipe
+    and the counts of its share. Then the steps, wall time, validation history (metrics.jsonl) and, for a
+    warm start, the record of the drafter it started from."""
     manifest = read_manifest(data_dir) or {}
     metrics = read_metrics(run_dir / METRICS)
     progress = [m for m in metrics if "loss" in m]
+    data = {"generation": manifest.get("generation"), **{k: split_counts(v) for k, v in splits.items()}}
+    if extra:
+        data["extra"] = [
+            {"generation": (read_manifest(d) or {}).get("generation"), "train": split_counts(seqs)}
+            for d, seqs in extra
+        ]
     return {
-        "data": {"generation": manifest.get("generation"), **{k: split_counts(v) for k, v in splits.items()}},
+        "data": data,
         "train": config.to_dict(),
         "steps": result.step,
         "train_wall_s": round(sum(m.get("seconds", 0.0) for m in progress), 1),
@@ -91,18 +137,32 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
         raise ValueError(
             f"the data recipe targets {data_config.target!r} but the training recipe {train_config.target!r}"
         )
+    extra_configs = [DataConfig.from_json(extra.data_config) for extra in pipeline.extra_data]
+    for extra, config in zip(pipeline.extra_data, extra_configs):
+        if config.target != train_config.target:
+            raise ValueError(
+                f"the extra data recipe {extra.data_config} targets {config.target!r} but the training "
+                f"recipe {train_config.target!r}"
+            )
     target = target or load_target(train_config.target)
     data_dir, run_dir = Path(pipeline.data_dir), Path(pipeline.run_dir)
     for split, limit in (("validation", pipeline.validation_limit), ("train", pipeline.train_limit)):
         console.rule(f"make-data {split}")
         make_data(data_config, data_dir, split=split, limit=limit, target=target, console=console)
+    for extra, config in zip(pipeline.extra_data, extra_configs):
+        console.rule(f"make-data train ({extra.data_dir})")
+        make_data(config, extra.data_dir, limit=extra.train_limit, target=target, console=console)
     console.rule("train")
     # The data directory may hold more than this pipeline asked for (a later session added to it): train
     # on the first `train_limit` answers, the ones its recipe names, and validate on the first
     # `max_val_sequences` of the held-out ones (what the trainer takes).
     held_out = load_sequences(data_dir, "validation", pipeline.validation_limit)
+    extra_sequences = [
+        (Path(e.data_dir), load_sequences(e.data_dir, "train", e.train_limit)) for e in pipeline.extra_data
+    ]
+    main = load_sequences(data_dir, "train", pipeline.train_limit)
     splits = {
-        "train": load_sequences(data_dir, "train", pipeline.train_limit),
+        "train": main + [sequence for _, sequences in extra_sequences for sequence in sequences],
         "validation": held_out[: train_config.max_val_sequences],
     }
     result = train(train_config, target, splits["train"], splits["validation"], run_dir, console=console)
@@ -111,7 +171,7 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
         if ship.exists():
             shutil.rmtree(ship)
         shutil.copytree(result.drafter_dir, ship)  # weights, TRAINING.json and validation.png
-        record = training_record(run_dir, data_dir, train_config, result, splits)  # adds the data it saw
+        record = training_record(run_dir, data_dir, train_config, result, splits, extra_sequences)
         (ship / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         console.print(f"drafter shipped to {ship}")
     return result

@@ -16,7 +16,7 @@ from dflax.cli import app
 from dflax.generation import encode_prompt
 from dflax.prompts import PromptRecord, mtbench_prompts
 from dflax.train import make_data as make_data_module
-from dflax.train.code_prompts import function_prompts, load_stdlib_prompts
+from dflax.train.code_prompts import definition_prompts, load_stdlib_prompts
 from dflax.train.dataset import load_sequences, read_manifest, read_shard, write_shard
 from dflax.train.make_data import DataConfig, make_data, row_seed, target_fingerprint
 from dflax.train.sharegpt import benchmark_texts, build_prompts, iter_records, normalize, split_of
@@ -97,15 +97,26 @@ class Box:
 
     def short(self):
         """Too short."""
+
+
+class Crate(Box):
+    """A box that stacks: holds other boxes."""
+
+    def __len__(self):
+        return 0
 '''
 
 
 def test_stdlib_prompts_are_documented_functions_cut_after_the_docstring(tmp_path):
-    prompts = dict(function_prompts(tmp_path / "m.py", MODULE_SOURCE))
+    prompts = dict(definition_prompts(MODULE_SOURCE))
     assert prompts == {
         "documented": 'def documented(a, b=1):\n    """Adds two numbers and returns their sum."""\n',
         "Box.size": 'def size(self):\n    """The number of items held in the box."""\n',
     }
+    classes = dict(definition_prompts(MODULE_SOURCE, kind="class"))
+    assert classes == {"Crate": 'class Crate(Box):\n    """A box that stacks: holds other boxes."""\n'}
+    with pytest.raises(ValueError, match="kind 'method' unknown"):
+        list(definition_prompts(MODULE_SOURCE, kind="method"))
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "mod.py").write_text(MODULE_SOURCE)
     (tmp_path / "pkg" / "copy.py").write_text(MODULE_SOURCE)  # the same functions again: deduplicated
@@ -114,6 +125,8 @@ def test_stdlib_prompts_are_documented_functions_cut_after_the_docstring(tmp_pat
     splits = load_stdlib_prompts(0.0, root=tmp_path)
     assert [r.id for r in splits["train"]] == ["stdlib:pkg/copy.py:documented", "stdlib:pkg/copy.py:Box.size"]
     assert splits["validation"] == []
+    classes = load_stdlib_prompts(0.0, root=tmp_path, kind="class")
+    assert [r.id for r in classes["train"]] == ["stdlib-class:pkg/copy.py:Crate"]
 
 
 def test_shards_are_compressed_uint16_and_read_back_as_int32(tmp_path):

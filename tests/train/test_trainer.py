@@ -641,11 +641,24 @@ def test_pipeline_recipes_name_recipes_that_load():
         pipeline = PipelineConfig.from_json(path)
         train_config = TrainConfig.from_json(root / pipeline.train_config)
         assert DataConfig.from_json(root / pipeline.data_config).target == train_config.target
+        for extra in pipeline.extra_data:  # each in a directory of its own
+            assert DataConfig.from_json(root / extra.data_config).target == train_config.target
+            assert extra.data_dir != pipeline.data_dir
         limits[path.stem] = pipeline.train_limit
     stages = ("dflash-smollm2", "dflash-smollm2-continue") + tuple(
         f"dflash-smollm2-stage{n}" for n in (3, 4, 5)
     )
     assert [limits[stage] for stage in stages] == sorted({limits[stage] for stage in stages})
+
+
+def test_pipeline_extra_data_entries_are_checked():
+    from dflax.train.pipeline import ExtraData, PipelineConfig
+
+    base = {"data_config": "d.json", "train_config": "t.json", "data_dir": "data", "run_dir": "run"}
+    extra = {"data_config": "e.json", "data_dir": "extra"}
+    assert PipelineConfig(**base, extra_data=[extra]).extra_data == (ExtraData("e.json", "extra"),)
+    with pytest.raises(ValueError, match="extra_data: unknown keys \\['limit'\\]"):
+        PipelineConfig(**base, extra_data=[{**extra, "limit": 3}])
 
 
 def test_cli_trains_exports_and_resumes(target, tiny_checkpoint, sequences, tmp_path):
@@ -780,6 +793,19 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
     data_recipe.write_text(
         json.dumps({"target": target_dir, "max_prompt_tokens": 48, "max_new_tokens": 12, "shard_size": 4})
     )
+    # Extra training answers from another prompt set (documented standard-library classes), in their own
+    # directory, come after the main data's.
+    classes_recipe = tmp_path / "classes.json"
+    classes_recipe.write_text(
+        json.dumps(
+            {
+                "target": target_dir,
+                "sources": ["stdlib-classes"],
+                "max_prompt_tokens": 48,
+                "max_new_tokens": 12,
+            }
+        )
+    )
     train_recipe = tmp_path / "train.json"
     config = dataclasses.replace(
         TINY, target=target_dir, max_seq_len=64, steps=4, validate_every=2, max_val_sequences=3
@@ -797,6 +823,13 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
                 "validation_limit": 4,
                 "train_limit": 8,
                 "ship_to": str(ship),
+                "extra_data": [
+                    {
+                        "data_config": str(classes_recipe),
+                        "data_dir": str(tmp_path / "classes"),
+                        "train_limit": 3,
+                    }
+                ],
             }
         )
     )
@@ -810,9 +843,13 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
     assert json.loads((tmp_path / "data/manifest.json").read_text())["splits"]["train"]["sequences"] == 12
     record = json.loads((ship / "TRAINING.json").read_text())
     assert record["steps"] == 4 and record["train_wall_s"] > 0
-    # It counts what training used: 8 answers, and 3 of the 4 held-out ones (max_val_sequences).
-    assert record["data"]["train"]["sequences"] == 8 and record["data"]["validation"]["sequences"] == 3
+    # It counts what training used: 8 + 3 answers, and 3 of the 4 held-out ones (max_val_sequences).
+    assert record["data"]["train"]["sequences"] == 11 and record["data"]["validation"]["sequences"] == 3
     assert record["data"]["train"]["response_tokens"] > 0
+    (extra,) = record["data"]["extra"]
+    assert extra["generation"]["sources"] == ["stdlib-classes"] and extra["train"]["sequences"] == 3
+    classes = json.loads((tmp_path / "classes/manifest.json").read_text())["splits"]
+    assert list(classes) == ["train"] and classes["train"]["sequences"] == 3
     assert record["final_validation"]["step"] == 4 and record["train"]["block_size"] == 8
     assert (ship / PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot ships beside the record
     drafter = load_drafter(ship, dflax.load_target(target_dir))
