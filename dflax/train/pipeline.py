@@ -62,6 +62,8 @@ class PipelineConfig:
       run_dir: where train writes features, checkpoints, metrics and the exported drafter.
       validation_limit: held-out prompts to answer and validate on.
       train_limit: training prompts to answer and train on (None = the whole split).
+      train_skip: the first answers of those not trained on: a stage warm-started from a drafter that
+        trained on them continues on the answers it has not seen (the data recipe still makes them all).
       ship_to: directory the exported drafter is copied to (None = leave it in run_dir/drafter).
       extra_data: more training answers from other data recipes (`ExtraData`, or its JSON object), trained
         on after the main data's; validation stays the main data's held-out answers.
@@ -73,10 +75,15 @@ class PipelineConfig:
     run_dir: str
     validation_limit: int = 32
     train_limit: int | None = None
+    train_skip: int = 0
     ship_to: str | None = None
     extra_data: tuple[ExtraData, ...] = ()
 
     def __post_init__(self):
+        if self.train_skip < 0 or (self.train_limit is not None and self.train_skip >= self.train_limit):
+            raise ValueError(
+                f"train_skip must be >= 0 and below train_limit ({self.train_limit}), got {self.train_skip}"
+            )
         extra = tuple(e if isinstance(e, ExtraData) else ExtraData.from_dict(e) for e in self.extra_data)
         object.__setattr__(self, "extra_data", extra)
 
@@ -98,17 +105,21 @@ def training_record(
     result: TrainResult,
     splits: dict[str, list],
     extra: list[tuple[Path, list]] | None = None,
+    train_skip: int = 0,
 ) -> dict:
     """What the shipped drafter was trained on, how long it took, how validation went and where it started.
 
     The data: the generation recipe from the manifest and the counts of the sequences in `splits` that
-    training saw; with `extra` ([(data directory, its training sequences)]), each extra directory's recipe
-    and the counts of its share. Then the steps, wall time, validation history (metrics.jsonl) and, for a
-    warm start, the record of the drafter it started from."""
+    training saw (and `train_skip`, the main data's first answers left out); with `extra` ([(data
+    directory, its training sequences)]), each extra directory's recipe and the counts of its share.
+    Then the steps, wall time, validation history (metrics.jsonl) and, for a warm start, the record of
+    the drafter it started from."""
     manifest = read_manifest(data_dir) or {}
     metrics = read_metrics(run_dir / METRICS)
     progress = [m for m in metrics if "loss" in m]
     data = {"generation": manifest.get("generation"), **{k: split_counts(v) for k, v in splits.items()}}
+    if train_skip:
+        data["train_skip"] = train_skip
     if extra:
         data["extra"] = [
             {"generation": (read_manifest(d) or {}).get("generation"), "train": split_counts(seqs)}
@@ -154,13 +165,13 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
         make_data(config, extra.data_dir, limit=extra.train_limit, target=target, console=console)
     console.rule("train")
     # The data directory may hold more than this pipeline asked for (a later session added to it): train
-    # on the first `train_limit` answers, the ones its recipe names, and validate on the first
-    # `max_val_sequences` of the held-out ones (what the trainer takes).
+    # on the first `train_limit` answers (less the first `train_skip`), the ones its recipe names, and
+    # validate on the first `max_val_sequences` of the held-out ones (what the trainer takes).
     held_out = load_sequences(data_dir, "validation", pipeline.validation_limit)
     extra_sequences = [
         (Path(e.data_dir), load_sequences(e.data_dir, "train", e.train_limit)) for e in pipeline.extra_data
     ]
-    main = load_sequences(data_dir, "train", pipeline.train_limit)
+    main = load_sequences(data_dir, "train", pipeline.train_limit)[pipeline.train_skip :]
     splits = {
         "train": main + [sequence for _, sequences in extra_sequences for sequence in sequences],
         "validation": held_out[: train_config.max_val_sequences],
@@ -171,7 +182,9 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
         if ship.exists():
             shutil.rmtree(ship)
         shutil.copytree(result.drafter_dir, ship)  # weights, TRAINING.json and validation.png
-        record = training_record(run_dir, data_dir, train_config, result, splits, extra_sequences)
+        record = training_record(
+            run_dir, data_dir, train_config, result, splits, extra_sequences, pipeline.train_skip
+        )
         (ship / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         console.print(f"drafter shipped to {ship}")
     return result

@@ -602,15 +602,15 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     # The shipped drafter was trained in stages with exactly the committed recipes: the first from the
     # target (RECIPE), each later one warm-started from the drafter before it (stages 2 and 3: the
     # -continue recipe; 4: -stage4, the same in bf16; 5: -stage5, with bf16 features and length
-    # buckets). The fields each stage records match, and any field added since holds the default that
-    # reproduces it.
+    # buckets; 6: -stage6, the same recipe over the answers stage 5 did not see). The fields each stage
+    # records match, and any field added since holds the default that reproduces it.
     record = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
     stages = [record]
     while "warm_start" in stages[0]:
         stages.insert(0, stages[0]["warm_start"]["record"])
     continued = RECIPE.with_name("dflash-smollm2-continue.json")
     recipes = (RECIPE, continued, continued) + tuple(
-        RECIPE.with_name(f"dflash-smollm2-stage{stage}.json") for stage in (4, 5)
+        RECIPE.with_name(f"dflash-smollm2-stage{stage}.json") for stage in (4, 5, 6)
     )
     assert len(stages) <= len(recipes)
     for recipe_path, stage in zip(recipes, stages):
@@ -631,7 +631,7 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
 
 def test_pipeline_recipes_name_recipes_that_load():
     """Each committed pipeline names a data and a training recipe that load, for the same target; the
-    stages train on more and more answers."""
+    stages train on more and more answers, and stage 6 on all of them from where stage 5 stopped."""
     from dflax.train.make_data import DataConfig
     from dflax.train.pipeline import PipelineConfig
 
@@ -644,14 +644,15 @@ def test_pipeline_recipes_name_recipes_that_load():
         for extra in pipeline.extra_data:  # each in a directory of its own
             assert DataConfig.from_json(root / extra.data_config).target == train_config.target
             assert extra.data_dir != pipeline.data_dir
-        limits[path.stem] = pipeline.train_limit
+        limits[path.stem] = (pipeline.train_limit, pipeline.train_skip)
     stages = ("dflash-smollm2", "dflash-smollm2-continue") + tuple(
         f"dflash-smollm2-stage{n}" for n in (3, 4, 5)
     )
     assert [limits[stage] for stage in stages] == sorted({limits[stage] for stage in stages})
+    assert limits["dflash-smollm2-stage6"] == (None, limits["dflash-smollm2-stage5"][0])
 
 
-def test_pipeline_extra_data_entries_are_checked():
+def test_pipeline_extra_data_and_train_skip_are_checked():
     from dflax.train.pipeline import ExtraData, PipelineConfig
 
     base = {"data_config": "d.json", "train_config": "t.json", "data_dir": "data", "run_dir": "run"}
@@ -659,6 +660,8 @@ def test_pipeline_extra_data_entries_are_checked():
     assert PipelineConfig(**base, extra_data=[extra]).extra_data == (ExtraData("e.json", "extra"),)
     with pytest.raises(ValueError, match="extra_data: unknown keys \\['limit'\\]"):
         PipelineConfig(**base, extra_data=[{**extra, "limit": 3}])
+    with pytest.raises(ValueError, match="train_skip must be >= 0 and below train_limit \\(8\\), got 8"):
+        PipelineConfig(**base, train_limit=8, train_skip=8)
 
 
 def test_cli_trains_exports_and_resumes(target, tiny_checkpoint, sequences, tmp_path):
@@ -822,6 +825,7 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
                 "run_dir": str(tmp_path / "run"),
                 "validation_limit": 4,
                 "train_limit": 8,
+                "train_skip": 2,
                 "ship_to": str(ship),
                 "extra_data": [
                     {
@@ -833,7 +837,8 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
             }
         )
     )
-    # A later session answered more prompts than the pipeline names: it trains on its first 8 only.
+    # A later session answered more prompts than the pipeline names: it trains on its first 8 only, less
+    # the first 2 (train_skip).
     more = CliRunner().invoke(
         app, ["make-data", "--config", str(data_recipe), "--out", str(tmp_path / "data"), "--limit", "12"]
     )
@@ -843,8 +848,9 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
     assert json.loads((tmp_path / "data/manifest.json").read_text())["splits"]["train"]["sequences"] == 12
     record = json.loads((ship / "TRAINING.json").read_text())
     assert record["steps"] == 4 and record["train_wall_s"] > 0
-    # It counts what training used: 8 + 3 answers, and 3 of the 4 held-out ones (max_val_sequences).
-    assert record["data"]["train"]["sequences"] == 11 and record["data"]["validation"]["sequences"] == 3
+    # It counts what training used: 8 - 2 + 3 answers, and 3 of the 4 held-out ones (max_val_sequences).
+    assert record["data"]["train"]["sequences"] == 9 and record["data"]["validation"]["sequences"] == 3
+    assert record["data"]["train_skip"] == 2
     assert record["data"]["train"]["response_tokens"] > 0
     (extra,) = record["data"]["extra"]
     assert extra["generation"]["sources"] == ["stdlib-classes"] and extra["train"]["sequences"] == 3
