@@ -2,14 +2,15 @@
 
 A static batch runs until its longest row ends, so with ragged outputs most rows idle. Here the batch
 decodes in chunks of at most `refill_every` steps (one jitted `lax.while_loop` each). After a chunk the
-finished rows are handed out and refilled: the waiting prompts are prefilled into a fresh state of the
-same static shape, and its rows are merged into the running state (`where` over every per-row buffer,
-the KV cache and the drafter's state included), so the cache slots of a finished row are reused.
+finished rows are handed out and refilled: the waiting prompts are prefilled into a small fresh state (a
+power of two rows, at least `MIN_REFILL_ROWS`), whose rows are written over the finished rows of the
+running state in place (every per-row buffer, the KV cache and the drafter's state included), so a
+refill costs what its own rows cost, not a whole batch's cache.
 
 A row's output depends only on its prompt and seed: every per-row computation of the decode loop reads
 only that row (its cache up to its own length, its own key folded with its own token count), whatever
 the other rows hold or when the row joined. The shapes are fixed for the whole run (batch, cache slots);
-prefill compiles once per prompt bucket and power-of-two pack size, and the decode chunk once.
+prefill compiles once per refill size, prompt bucket and power-of-two pack size, and the decode chunk once.
 """
 
 from __future__ import annotations
@@ -73,26 +74,38 @@ def decode_chunk(
     return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
 
 
-def merge_rows(running: DecodeState, fresh: DecodeState, take: jax.Array) -> DecodeState:
-    """The running state with rows where `take` [B] is set replaced by the fresh state's rows.
+# Refills prefill a power of two rows, at least this many (fewer sizes, fewer prefill compiles).
+MIN_REFILL_ROWS = 4
+
+
+def refill_rows(joining: int, rows: int) -> int:
+    """Rows of the fresh state a refill of `joining` prompts prefills: the next power of two, at least
+    MIN_REFILL_ROWS, at most the batch."""
+    return min(rows, max(MIN_REFILL_ROWS, 1 << (joining - 1).bit_length()))
+
+
+def write_rows(running: DecodeState, fresh: DecodeState, rows: jax.Array) -> DecodeState:
+    """The running state with row rows[j] replaced by the fresh state's row j, for each j; a row index
+    past the running batch drops that fresh row (a padding row).
 
     Every leaf but `eos_ids` has the batch first: the KV caches [B, K, S, H], the other drafter-state
-    buffers [B, S, ...], the per-row counters, tokens and keys.
+    buffers [B, S, ...], the per-row counters, tokens and keys. With the running state donated the rows
+    are written in place: the cost follows the fresh state's rows, not the running batch.
     """
 
-    def pick(new, old):
-        if old.shape[:1] != take.shape:
+    def put(new, old):
+        if old.shape[1:] != new.shape[1:] or new.shape[:1] != rows.shape:
             raise ValueError(
-                f"continuous batching needs every decode-state buffer batch-first ({take.shape[0]} rows); "
-                f"one has shape {old.shape}: give the proposer's state a leading batch axis"
+                f"continuous batching needs every decode-state buffer batch-first; a buffer of shape "
+                f"{old.shape} cannot take rows of shape {new.shape}: give the proposer's state a leading "
+                "batch axis"
             )
-        mask = take.reshape((-1,) + (1,) * (old.ndim - 1))
         if jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
-            data = jnp.where(mask[..., None], jax.random.key_data(new), jax.random.key_data(old))
+            data = jax.random.key_data(old).at[rows].set(jax.random.key_data(new), mode="drop")
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
-        return jnp.where(mask, new, old)
+        return old.at[rows].set(new, mode="drop")
 
-    merged = jax.tree.map(pick, fresh.replace(eos_ids=None), running.replace(eos_ids=None))
+    merged = jax.tree.map(put, fresh.replace(eos_ids=None), running.replace(eos_ids=None))
     return merged.replace(eos_ids=running.eos_ids)
 
 
@@ -108,14 +121,14 @@ _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _programs(target: Target, proposer: Proposer | None) -> tuple[Callable, Callable]:
-    """The jitted decode chunk and row merge of a target and drafter (the running state donated)."""
+    """The jitted decode chunk and row write of a target and drafter (the running state donated)."""
     per_target = _PROGRAMS.setdefault(target, {})
     if proposer not in per_target:
         chunk = jax.jit(
             functools.partial(decode_chunk, target.module, proposer=proposer), donate_argnames=("state",)
         )
-        merge = jax.jit(merge_rows, donate_argnames=("running",))
-        per_target[proposer] = (chunk, merge)
+        write = jax.jit(write_rows, donate_argnames=("running",))
+        per_target[proposer] = (chunk, write)
     return per_target[proposer]
 
 
@@ -158,33 +171,33 @@ def generate_continuous(
     drafter_params = drafter.params if drafter else None
     slots = cache_slots(prompt_bucket(max(len(ids) for ids in prompt_ids)), max_new_tokens, proposer)
     prefill_fn, _ = compiled_programs(target, proposer)
-    chunk_fn, merge_fn = _programs(target, proposer)
+    chunk_fn, write_fn = _programs(target, proposer)
     eos = jnp.asarray(target.eos_ids, jnp.int32)
     steps_per_chunk = jnp.asarray(refill_every, jnp.int32)
 
-    def prefill_rows(joining: dict[int, int]) -> DecodeState:
-        """A fresh state whose rows in `joining` ({row: prompt index}) hold those prompts, prefilled; the
-        other rows are one-token stand-ins with no budget (done at once, never merged)."""
-        bucket_p = prompt_bucket(max(len(prompt_ids[i]) for i in joining.values()))
-        tokens = np.zeros((rows, bucket_p), np.int32)
-        lens = np.ones((rows,), np.int32)
-        budgets = np.zeros((rows,), np.int32)
-        seeds = np.zeros((rows,), np.uint32)
-        for r, i in joining.items():
+    def prefill_rows(prompts: list[int], size: int) -> DecodeState:
+        """A fresh state of `size` rows whose first rows hold `prompts` (prompt indices), prefilled; the
+        other rows are one-token stand-ins with no budget (done at once, never written)."""
+        bucket_p = prompt_bucket(max(len(prompt_ids[i]) for i in prompts))
+        tokens = np.zeros((size, bucket_p), np.int32)
+        lens = np.ones((size,), np.int32)
+        budgets = np.zeros((size,), np.int32)
+        seeds = np.zeros((size,), np.uint32)
+        for r, i in enumerate(prompts):
             tokens[r, : len(prompt_ids[i])] = prompt_ids[i]
             lens[r], budgets[r], seeds[r] = len(prompt_ids[i]), max_new_tokens, row_seeds[i]
         return prefill_fn(
             target.params,
             jnp.asarray(tokens),
             jnp.asarray(lens),
-            KVCache.init(target.config, rows, slots, target.cache_dtype),
+            KVCache.init(target.config, size, slots, target.cache_dtype),
             jnp.asarray(budgets),
             jax.vmap(jax.random.key)(jnp.asarray(seeds)),
             eos,
             sampling,
             drafter_params,
             max_tokens=max_new_tokens,
-            packed_tokens=refill_pack_size(int(lens.sum()), rows, bucket_p),
+            packed_tokens=refill_pack_size(int(lens.sum()), size, bucket_p),
         )
 
     queue = collections.deque(range(n))
@@ -198,10 +211,14 @@ def generate_continuous(
         if free and queue:
             joining = {r: queue.popleft() for r in free[: len(queue)]}
             t0 = time.perf_counter()
-            fresh = prefill_rows(joining)
-            take = np.zeros((rows,), bool)
-            take[list(joining)] = True
-            state = fresh if state is None else merge_fn(state, fresh, jnp.asarray(take))
+            if state is None:  # the first fill: the whole batch
+                state = prefill_rows(list(joining.values()), rows)
+            else:
+                size = refill_rows(len(joining), rows)
+                fresh = prefill_rows(list(joining.values()), size)
+                targets = np.full((size,), rows, np.int32)  # padding rows point past the batch: dropped
+                targets[: len(joining)] = list(joining)
+                state = write_fn(state, fresh, jnp.asarray(targets))
             jax.block_until_ready(state)
             t1 = time.perf_counter()
             totals["prefill_s"] += t1 - t0

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 import dflax
 from dflax.cli import app
+from dflax.continuous_batching import MIN_REFILL_ROWS, refill_rows
 
 ROOT = Path(__file__).parents[1]
 
@@ -42,8 +43,9 @@ def prompts():
     return [" ".join(f"w{t}" for t in rng.integers(3, 200, rng.integers(1, 40))) for _ in range(13)]
 
 
+@pytest.mark.parametrize("batch_size", [4, 8])  # 8: refills of a few rows prefill 4 (padding dropped)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_refilled_batches_equal_one_prompt_at_a_time(ragged_target, prompts, temperature):
+def test_refilled_batches_equal_one_prompt_at_a_time(ragged_target, prompts, temperature, batch_size):
     settings = dict(max_new_tokens=24, temperature=temperature, seed=5)
     alone = [
         dflax.generate(ragged_target, [p], batch_size=1, row_seeds=[5 + i], **settings)[0]
@@ -53,7 +55,7 @@ def test_refilled_batches_equal_one_prompt_at_a_time(ragged_target, prompts, tem
     refilled = dflax.generate(
         ragged_target,
         prompts,
-        batch_size=4,
+        batch_size=batch_size,
         refill_every=3,
         on_result=lambda i, r: order.append(i),
         **settings,
@@ -71,7 +73,7 @@ def test_refilled_speculative_batches_keep_the_drafter_state_per_row(ragged_targ
     drafter = dflax.load_drafter("untrained", ragged_target, block_size=4)
     plain = dflax.generate(ragged_target, prompts, max_new_tokens=24, batch_size=1)
     spec = dflax.generate(
-        ragged_target, prompts, max_new_tokens=24, batch_size=4, refill_every=2, drafter=drafter
+        ragged_target, prompts, max_new_tokens=24, batch_size=8, refill_every=2, drafter=drafter
     )
     alone = [
         dflax.generate(ragged_target, [p], max_new_tokens=24, batch_size=1, drafter=drafter)[0]
@@ -79,6 +81,11 @@ def test_refilled_speculative_batches_keep_the_drafter_state_per_row(ragged_targ
     ]
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert [r.stats["accept_hist"] for r in spec] == [r.stats["accept_hist"] for r in alone]
+
+
+def test_refills_prefill_a_power_of_two_rows_at_least_four():
+    sizes = [refill_rows(joining, rows) for joining, rows in ((1, 64), (4, 64), (5, 64), (33, 64), (3, 2))]
+    assert sizes == [MIN_REFILL_ROWS, 4, 8, 64, 2]
 
 
 def test_refill_every_must_be_positive(ragged_target):
