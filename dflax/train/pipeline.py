@@ -62,8 +62,8 @@ class PipelineConfig:
       run_dir: where train writes features, checkpoints, metrics and the exported drafter.
       validation_limit: held-out prompts to answer and validate on.
       train_limit: training prompts to answer and train on (None = the whole split).
-      train_skip: the first answers of those not trained on: a stage warm-started from a drafter that
-        trained on them continues on the answers it has not seen (the data recipe still makes them all).
+      train_skip: how many of the first training answers to leave out: a stage warm-started from a
+        drafter that trained on them continues on the ones it has not seen (make-data still makes them).
       ship_to: directory the exported drafter is copied to (None = leave it in run_dir/drafter).
       extra_data: more training answers from other data recipes (`ExtraData`, or its JSON object), trained
         on after the main data's; validation stays the main data's held-out answers.
