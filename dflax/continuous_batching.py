@@ -33,6 +33,7 @@ from dflax.generation import (
     GenerationResult,
     cache_slots,
     compiled_programs,
+    next_pow2,
     prompt_bucket,
     result_of_row,
 )
@@ -81,7 +82,7 @@ MIN_REFILL_ROWS = 4
 def refill_rows(joining: int, rows: int) -> int:
     """Rows of the fresh state a refill of `joining` prompts prefills: the next power of two, at least
     MIN_REFILL_ROWS, at most the batch."""
-    return min(rows, max(MIN_REFILL_ROWS, 1 << (joining - 1).bit_length()))
+    return min(rows, max(MIN_REFILL_ROWS, next_pow2(joining)))
 
 
 def write_rows(running: DecodeState, fresh: DecodeState, rows: jax.Array) -> DecodeState:
@@ -113,7 +114,7 @@ def refill_pack_size(tokens: int, rows: int, length: int) -> int | None:
     """The static pack size of a refill's prefill: the next power of two (at least 16), or None when
     packing would not save work. Refills prefill a varying few rows at a time, so their token counts
     spread widely; one size per octave keeps the number of prefill compiles small."""
-    size = max(16, 1 << (tokens - 1).bit_length())
+    size = max(16, next_pow2(tokens))
     return size if size < rows * length else None
 
 
@@ -166,7 +167,7 @@ def generate_continuous(
     """
     return_large_buffers()  # refills run many program shapes: keep their freed temporaries off the heap
     n = len(prompt_ids)
-    rows = min(batch_size, 1 << max(0, (n - 1).bit_length()))  # as static batches: a power of two
+    rows = min(batch_size, next_pow2(n))  # as static batches: a power of two
     proposer = drafter.proposer if drafter else None
     drafter_params = drafter.params if drafter else None
     slots = cache_slots(prompt_bucket(max(len(ids) for ids in prompt_ids)), max_new_tokens, proposer)

@@ -76,7 +76,8 @@ def encode_prompt(target: Target, prompt: Prompt) -> list[int]:
     )
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -86,7 +87,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 def prompt_bucket(longest: int) -> int:
     """The static prompt length P for prompts of at most `longest` tokens (a power of two, >= 16)."""
-    return max(_MIN_PROMPT_BUCKET, _next_pow2(longest))
+    return max(_MIN_PROMPT_BUCKET, next_pow2(longest))
 
 
 def cache_slots(bucket_p: int, max_new_tokens: int, proposer: Proposer | None) -> int:
@@ -102,7 +103,7 @@ def packed_bucket(tokens: int, rows: int, length: int) -> int | None:
     """The static pack size for `tokens` real prompt tokens of a [rows, length] bucket, or None when packing
     would not save work. Sizes are multiples of an eighth of the next power of two (at least 16): at most
     four sizes (compiles) per octave, at most 1.25x the need."""
-    size = _round_up(tokens, max(_MIN_PROMPT_BUCKET, _next_pow2(tokens) // 8))
+    size = _round_up(tokens, max(_MIN_PROMPT_BUCKET, next_pow2(tokens) // 8))
     return size if size < rows * length else None
 
 
@@ -211,7 +212,7 @@ def generate_ids(
       a shared prefix) and kv_cache_bytes (the batch's allocated target KV cache, shared prefixes included).
     """
     n = len(prompt_ids)
-    bucket_b = min(batch_size, _next_pow2(n))
+    bucket_b = min(batch_size, next_pow2(n))
     if target.mesh is not None:  # rows split evenly over the mesh's `data` axis
         bucket_b = padded_batch(bucket_b, _rules(target))
     if shared_prefix not in SHARED_PREFIX_MODES:
@@ -312,14 +313,14 @@ def _shared_prefix_inputs(
 ) -> tuple:
     """The static-shape prefix arrays of `prefill_shared`: (prefix tokens [G, L], prefix lengths [G],
     layout, row offsets [B]), G, L and the rows per group rounded up to powers of two (few compiles)."""
-    num_groups = _next_pow2(len(groups))
+    num_groups = next_pow2(len(groups))
     length = prompt_bucket(max(1, max(group.length for group in groups)))
     prefix_tokens = np.zeros((num_groups, length), np.int32)
     prefix_lens = np.zeros((num_groups,), np.int32)
     for g, group in enumerate(groups):
         prefix_tokens[g, : group.length] = prompt_ids[group.rows[0]][: group.length]
         prefix_lens[g] = group.length
-    rows = min(batch, _next_pow2(max(len(group.rows) for group in groups)))
+    rows = min(batch, next_pow2(max(len(group.rows) for group in groups)))
     layout = GroupLayout.of_groups([group.rows for group in groups], batch, num_groups, rows)
     return jnp.asarray(prefix_tokens), jnp.asarray(prefix_lens), layout, jnp.asarray(offsets)
 
