@@ -22,7 +22,7 @@ from rich.console import Console
 from dflax.target import Target, load_target
 from dflax.train.dataset import load_sequences, read_manifest
 from dflax.train.make_data import DataConfig, make_data
-from dflax.train.recipe import read_recipe
+from dflax.train.recipe import build_recipe, read_recipe
 from dflax.train.report import METRICS, TRAINING_RECORD, read_metrics, validation_history
 from dflax.train.trainer import TrainConfig, TrainResult, train
 
@@ -40,15 +40,6 @@ class ExtraData:
     data_config: str
     data_dir: str
     train_limit: int | None = None
-
-    @classmethod
-    def from_dict(cls, values: dict) -> ExtraData:
-        """Builds one entry of a pipeline's `extra_data`; unknown keys are an error naming the known ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"extra_data: unknown keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +75,10 @@ class PipelineConfig:
             raise ValueError(
                 f"train_skip must be >= 0 and below train_limit ({self.train_limit}), got {self.train_skip}"
             )
-        extra = tuple(e if isinstance(e, ExtraData) else ExtraData.from_dict(e) for e in self.extra_data)
+        extra = tuple(
+            x if isinstance(x, ExtraData) else build_recipe(ExtraData, x, "extra_data")
+            for x in self.extra_data
+        )
         object.__setattr__(self, "extra_data", extra)
 
     @classmethod

@@ -10,15 +10,19 @@ from typing import TypeVar
 RecipeT = TypeVar("RecipeT")
 
 
-def read_recipe(cls: type[RecipeT], path: str | Path) -> RecipeT:
-    """Builds `cls` from a JSON file; unknown keys are an error naming the known ones (a typo must not
-    silently fall back to a default)."""
-    values = json.loads(Path(path).read_text(encoding="utf-8"))
+def build_recipe(cls: type[RecipeT], values: dict, where: str) -> RecipeT:
+    """Builds `cls` from a JSON object; unknown keys are an error that names `where` and the known keys (a
+    typo must not silently fall back to a default)."""
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; known keys: {sorted(known)}")
+        raise ValueError(f"{where}: unknown keys {unknown}; known keys: {sorted(known)}")
     return cls(**values)
+
+
+def read_recipe(cls: type[RecipeT], path: str | Path) -> RecipeT:
+    """Builds `cls` from a JSON file (see `build_recipe`)."""
+    return build_recipe(cls, json.loads(Path(path).read_text(encoding="utf-8")), str(path))
 
 
 @dataclasses.dataclass(frozen=True)
