@@ -23,8 +23,9 @@ from dflax.train.sharegpt import SPLITS, benchmark_texts, normalize, split_of
 
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__", "turtledemo"}
 _MIN_DOCSTRING_CHARS = 20
-# What a prompt set is cut from, and the prefix of its prompt ids.
-DEFINITION_KINDS = {"function": "stdlib", "class": "stdlib-class"}
+# The standard-library prompt sets (their names are also their prompt ids' prefix) and the definitions each
+# is cut from.
+STDLIB_PROMPT_SETS = {"stdlib": (ast.FunctionDef, ast.AsyncFunctionDef), "stdlib-classes": (ast.ClassDef,)}
 
 
 def stdlib_dir() -> Path:
@@ -46,25 +47,25 @@ def _source_files(root: Path) -> list[Path]:
     )
 
 
-def definition_prompts(source: str, kind: str = "function") -> Iterator[tuple[str, str]]:
+def definition_prompts(source: str, prompt_set: str = "stdlib") -> Iterator[tuple[str, str]]:
     """(qualified name, prompt) for each documented definition of one module's source.
 
     Args:
       source: a module's Python source.
-      kind: "function" (def and async def) or "class".
+      prompt_set: "stdlib" (functions: def and async def) or "stdlib-classes" (classes).
 
     The prompt is the definition's decorator-free source from its `def` / `class` line through its
     docstring, dedented. Definitions whose docstring is shorter than 20 characters are skipped; a module
     that does not parse yields nothing.
     """
-    if kind not in DEFINITION_KINDS:
-        raise ValueError(f"kind {kind!r} unknown; choose one of {', '.join(DEFINITION_KINDS)}")
+    if prompt_set not in STDLIB_PROMPT_SETS:
+        raise ValueError(f"prompt set {prompt_set!r} unknown; choose one of {', '.join(STDLIB_PROMPT_SETS)}")
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return
     lines = source.splitlines()
-    wanted = ast.ClassDef if kind == "class" else (ast.FunctionDef, ast.AsyncFunctionDef)
+    wanted = STDLIB_PROMPT_SETS[prompt_set]
 
     def visit(node: ast.AST, prefix: str) -> Iterator[tuple[str, str]]:
         for child in ast.iter_child_nodes(node):
@@ -81,7 +82,7 @@ def definition_prompts(source: str, kind: str = "function") -> Iterator[tuple[st
 
 
 def load_stdlib_prompts(
-    validation_fraction: float, root: Path | None = None, kind: str = "function"
+    validation_fraction: float, root: Path | None = None, prompt_set: str = "stdlib"
 ) -> dict[str, list[PromptRecord]]:
     """Documented standard-library functions (or classes) as raw completion prompts, split by a hash of
     their text.
@@ -89,11 +90,11 @@ def load_stdlib_prompts(
     Args:
       validation_fraction: share of prompts (by text hash) held out for validation.
       root: the library directory to read (default: this interpreter's standard library).
-      kind: "function" or "class" (see `definition_prompts`).
+      prompt_set: "stdlib" or "stdlib-classes" (see `definition_prompts`).
 
     Returns:
-      {"train": [...], "validation": [...]}, each in file order; ids are "stdlib:<module path>:<qualname>"
-      for functions and "stdlib-class:<module path>:<qualname>" for classes.
+      {"train": [...], "validation": [...]}, each in file order; ids are "<prompt set>:<module path>:
+      <qualname>".
     """
     root = root or stdlib_dir()
     exclude = [t for t in benchmark_texts() if t]
@@ -105,12 +106,12 @@ def load_stdlib_prompts(
         except (OSError, UnicodeDecodeError):
             continue
         module = path.relative_to(root).as_posix()
-        for qualname, prompt in definition_prompts(source, kind):
+        for qualname, prompt in definition_prompts(source, prompt_set):
             key = normalize(prompt)
             if key in seen or any(bench in key for bench in exclude):
                 continue
             seen.add(key)
             splits[split_of(key, validation_fraction)].append(
-                PromptRecord(f"{DEFINITION_KINDS[kind]}:{module}:{qualname}", prompt)
+                PromptRecord(f"{prompt_set}:{module}:{qualname}", prompt)
             )
     return splits

@@ -29,7 +29,7 @@ from dflax.checkpoints.registry import DEFAULT_TARGET
 from dflax.generation import encode_prompt, generate
 from dflax.prompts import PromptRecord, result_key, row_seed
 from dflax.target import Target, load_target, weights_fingerprint
-from dflax.train.code_prompts import load_stdlib_prompts, stdlib_version
+from dflax.train.code_prompts import STDLIB_PROMPT_SETS, load_stdlib_prompts, stdlib_version
 from dflax.train.dataset import (
     MANIFEST,
     TMP_SUFFIX,
@@ -42,8 +42,7 @@ from dflax.train.recipe import read_recipe
 from dflax.train.sharegpt import SPLITS, load_sharegpt
 
 # Prompt sets: ShareGPT first turns (chat), documented standard-library functions and classes (code).
-PROMPT_SOURCES = ("sharegpt", "stdlib", "stdlib-classes")
-_STDLIB_KINDS = {"stdlib": "function", "stdlib-classes": "class"}
+PROMPT_SOURCES = ("sharegpt", *STDLIB_PROMPT_SETS)
 
 # Settings that do not change the generated sequences, so a rerun may change them freely.
 _RUN_ONLY = ("batch_size", "refill_every")
@@ -111,7 +110,7 @@ class DataConfig:
         """The settings that determine the sequences (a data directory is made under one of these), as
         JSON values."""
         settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in _RUN_ONLY}
-        if set(_STDLIB_KINDS) & set(self.sources):
+        if set(STDLIB_PROMPT_SETS) & set(self.sources):
             settings["stdlib_version"] = stdlib_version()  # the stdlib's source fixes the prompt set
         return json.loads(json.dumps(settings))
 
@@ -123,7 +122,7 @@ def load_prompts(config: DataConfig, split: str) -> list[PromptRecord]:
         if source == "sharegpt":
             prompts += load_sharegpt(config.validation_fraction).split(split)
         else:
-            prompts += load_stdlib_prompts(config.validation_fraction, kind=_STDLIB_KINDS[source])[split]
+            prompts += load_stdlib_prompts(config.validation_fraction, prompt_set=source)[split]
     return prompts
 
 

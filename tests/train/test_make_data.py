@@ -113,10 +113,10 @@ def test_stdlib_prompts_are_documented_functions_cut_after_the_docstring(tmp_pat
         "documented": 'def documented(a, b=1):\n    """Adds two numbers and returns their sum."""\n',
         "Box.size": 'def size(self):\n    """The number of items held in the box."""\n',
     }
-    classes = dict(definition_prompts(MODULE_SOURCE, kind="class"))
+    classes = dict(definition_prompts(MODULE_SOURCE, "stdlib-classes"))
     assert classes == {"Crate": 'class Crate(Box):\n    """A box that stacks: holds other boxes."""\n'}
-    with pytest.raises(ValueError, match="kind 'method' unknown"):
-        list(definition_prompts(MODULE_SOURCE, kind="method"))
+    with pytest.raises(ValueError, match="prompt set 'methods' unknown"):
+        list(definition_prompts(MODULE_SOURCE, "methods"))
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "mod.py").write_text(MODULE_SOURCE)
     (tmp_path / "pkg" / "copy.py").write_text(MODULE_SOURCE)  # the same functions again: deduplicated
@@ -125,8 +125,8 @@ def test_stdlib_prompts_are_documented_functions_cut_after_the_docstring(tmp_pat
     splits = load_stdlib_prompts(0.0, root=tmp_path)
     assert [r.id for r in splits["train"]] == ["stdlib:pkg/copy.py:documented", "stdlib:pkg/copy.py:Box.size"]
     assert splits["validation"] == []
-    classes = load_stdlib_prompts(0.0, root=tmp_path, kind="class")
-    assert [r.id for r in classes["train"]] == ["stdlib-class:pkg/copy.py:Crate"]
+    classes = load_stdlib_prompts(0.0, root=tmp_path, prompt_set="stdlib-classes")
+    assert [r.id for r in classes["train"]] == ["stdlib-classes:pkg/copy.py:Crate"]
 
 
 def test_shards_are_compressed_uint16_and_read_back_as_int32(tmp_path):
