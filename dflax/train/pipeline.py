@@ -138,16 +138,13 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
     console = console or Console(stderr=True)
     data_config = DataConfig.from_json(pipeline.data_config)
     train_config = TrainConfig.from_json(pipeline.train_config)
-    if data_config.target != train_config.target:
-        raise ValueError(
-            f"the data recipe targets {data_config.target!r} but the training recipe {train_config.target!r}"
-        )
     extra_configs = [DataConfig.from_json(extra.data_config) for extra in pipeline.extra_data]
-    for extra, config in zip(pipeline.extra_data, extra_configs):
+    recipes = [pipeline.data_config, *(extra.data_config for extra in pipeline.extra_data)]
+    for path, config in zip(recipes, [data_config, *extra_configs]):
         if config.target != train_config.target:
             raise ValueError(
-                f"the extra data recipe {extra.data_config} targets {config.target!r} but the training "
-                f"recipe {train_config.target!r}"
+                f"the data recipe {path} targets {config.target!r} but the training recipe "
+                f"{train_config.target!r}"
             )
     target = target or load_target(train_config.target)
     data_dir, run_dir = Path(pipeline.data_dir), Path(pipeline.run_dir)

@@ -664,6 +664,24 @@ def test_pipeline_extra_data_and_train_skip_are_checked():
         PipelineConfig(**base, train_limit=8, train_skip=8)
 
 
+def test_pipeline_refuses_a_data_recipe_for_another_target_before_loading_anything(tmp_path):
+    from dflax.train.pipeline import PipelineConfig, run_pipeline
+
+    (tmp_path / "t.json").write_text(json.dumps({"target": "smollm2-135m"}))
+    (tmp_path / "d.json").write_text(json.dumps({"target": "smollm2-135m"}))
+    (tmp_path / "e.json").write_text(json.dumps({"target": "qwen3-0.6b"}))
+    pipeline = PipelineConfig(
+        data_config=str(tmp_path / "d.json"),
+        train_config=str(tmp_path / "t.json"),
+        data_dir=str(tmp_path / "data"),
+        run_dir=str(tmp_path / "run"),
+        extra_data=[{"data_config": str(tmp_path / "e.json"), "data_dir": str(tmp_path / "extra")}],
+    )
+    with pytest.raises(ValueError, match="targets 'qwen3-0.6b' but the training recipe 'smollm2-135m'"):
+        run_pipeline(pipeline)
+    assert not (tmp_path / "data").exists() and not (tmp_path / "extra").exists()
+
+
 def test_cli_trains_exports_and_resumes(target, tiny_checkpoint, sequences, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
