@@ -27,7 +27,14 @@ from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.shared_prefix import share_groups
 from dflax.divergence import first_differences
 from dflax.drafters.dflash import DRAFT_SAMPLING_MODES
-from dflax.generation import can_share_prefix, encode_prompt, fit_to_context, generate_ids
+from dflax.generation import (
+    cache_slots,
+    can_share_prefix,
+    encode_prompt,
+    fit_to_context,
+    generate_ids,
+    prompt_bucket,
+)
 from dflax.prompts import load_prompts, with_system_prompt
 from dflax.roofline import measure_roofline, step_floor_s
 from dflax.target import Target, load_target
@@ -175,7 +182,13 @@ def _run_auto(
     batch size, or plain decoding when nothing pays."""
     from dflax.cost_curve import auto_block_size
 
-    chosen, choice = auto_block_size(target, drafter, min(batch_size, len(prompt_ids)), context, trees)
+    rows = min(batch_size, len(prompt_ids))
+    median = sorted(len(p) for p in prompt_ids)[len(prompt_ids) // 2]
+    slots = cache_slots(prompt_bucket(median), max_new_tokens, None)
+    # Bench decodes static batches: with several rows, each batch waits for its slowest row.
+    chosen, choice = auto_block_size(
+        target, drafter, rows, context, trees, slots=slots, static_tokens=max_new_tokens
+    )
     tokens, per_batch = _run_dflax(
         target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, chosen, shared_prefix
     )

@@ -208,18 +208,26 @@ def _block_size_value(text: str) -> int | str:
     return value
 
 
-def _auto_block_size(loaded, spec_drafter, records, batch_size: int, max_new_tokens: int, trees: bool):
-    """The drafter at the cost model's block size (or tree budget, with `trees`) for this run, or None
-    (plain decoding); says which."""
+def _auto_block_size(
+    loaded, spec_drafter, records, batch_size: int, max_new_tokens: int, trees: bool, static: bool
+):
+    """The drafter at the cost model's block size (or tree budget, with `trees`) for this run (static
+    batches or continuous batching), or None (plain decoding); says which."""
     from dflax.cost_curve import auto_block_size
-    from dflax.generation import encode_prompt
+    from dflax.generation import cache_slots, encode_prompt, prompt_bucket
 
     lengths = sorted(len(encode_prompt(loaded, r.prompt)) for r in records) or [1]
-    context = lengths[len(lengths) // 2] + max_new_tokens // 2  # the median prompt, half-way through
+    median = lengths[len(lengths) // 2]
     try:
-        with console.status("block size auto: timing draft and verify forwards (once per machine) ..."):
+        with console.status("block size auto: timing decode steps (once per machine and shape) ..."):
             chosen, choice = auto_block_size(
-                loaded, spec_drafter, min(batch_size, max(len(records), 1)), context, trees
+                loaded,
+                spec_drafter,
+                min(batch_size, max(len(records), 1)),
+                median + max_new_tokens // 2,  # the median prompt, half-way through
+                trees,
+                slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
+                static_tokens=max_new_tokens if static else None,
             )
     except ValueError as e:
         _fail(str(e))
@@ -441,6 +449,8 @@ def generate(
         spec_drafter = _load_drafter(
             method, drafter, loaded, fixed, draft_sampling, temperature, tree_budget, min_match
         )
+    # static batches on a mesh and with shared prefixes
+    refills = None if mesh or shared_prefix == "auto" else refill_every or None
     chains = method in ("dflash", "dart") and not tree_budget
     if fixed_block == "auto" and not chains:
         _fail(
@@ -451,7 +461,9 @@ def generate(
         if coordinator is not None:  # each process would time its own forwards and might choose another B
             _fail("--block-size auto times this machine's forwards; give every process --block-size B")
         trees = tree_budget is None  # --tree-budget 0 asks for chains
-        spec_drafter = _auto_block_size(loaded, spec_drafter, todo, batch_size, max_new_tokens, trees)
+        spec_drafter = _auto_block_size(
+            loaded, spec_drafter, todo, batch_size, max_new_tokens, trees, static=refills is None
+        )
     sink = None
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -498,8 +510,7 @@ def generate(
                 row_seeds=[row_seed(seed, r.id) for r in todo],
                 on_result=on_result,
                 drafter=spec_drafter,
-                # static batches on a mesh and with shared prefixes
-                refill_every=None if mesh or shared_prefix == "auto" else refill_every or None,
+                refill_every=refills,
                 shared_prefix=shared_prefix,
             )
     except ValueError as e:

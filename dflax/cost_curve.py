@@ -1,7 +1,9 @@
-"""What a decode step costs on this machine: target forwards over n new tokens and drafter forwards.
+"""What a decode step costs on this machine.
 
-`measure_cost_curve` is bench's `--cost-curve` report. `auto_block_size` feeds the same timings, measured
-at the run's batch size and context and cached on disk per machine, to the cost model of
+`measure_cost_curve` is bench's `--cost-curve` report: target forwards over n new tokens and drafter
+forwards. `auto_block_size` times whole decode steps (draft, verify, acceptance, commit and the drafter's
+update) of plain decoding and of every candidate block size and tree at the run's batch size, context and
+cache slots, in interleaved rounds, caches them on disk per machine, and hands them to the cost model of
 `dflax.decoding.block_size`, so `--block-size auto` picks the block size (or plain decoding) that is
 predicted fastest for this target, drafter and machine.
 """
@@ -24,6 +26,8 @@ import jax.numpy as jnp
 from dflax.checkpoints.model_files import cache_dir
 from dflax.decoding.block_size import BlockSizeChoice, choose_block_size
 from dflax.decoding.cache import KVCache
+from dflax.decoding.decode import DecodeState, Proposer, decode_step
+from dflax.decoding.sampling import SamplingParams
 from dflax.models.transformer import Transformer
 from dflax.roofline import median_time
 from dflax.target import Target
@@ -37,6 +41,15 @@ _SLOT_MARGIN = 64
 def _cache_at(target: Target, rows: int, slots: int, context: int) -> KVCache:
     cache = KVCache.init(target.config, rows, slots, target.cache_dtype)
     return cache.replace(lengths=jnp.full((rows,), context, jnp.int32))
+
+
+def _at_length(tree: Any, context: int) -> Any:
+    """`tree` with every KV cache in it holding `context` tokens."""
+    return jax.tree.map(
+        lambda x: x.replace(lengths=jnp.full_like(x.lengths, context)) if isinstance(x, KVCache) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, KVCache),
+    )
 
 
 def verify_times(
@@ -69,15 +82,8 @@ def verify_times(
 def draft_time(target: Target, drafter, rows: int, context: int, slots: int, reps: int) -> float:
     """Median seconds of one drafter proposal (its block size and tree budget) for `rows` rows after
     `context` tokens (a DFlash or DART drafter)."""
-    from dflax.decoding.decode import DecodeState
-
     proposer = drafter.proposer
-    lengths = jnp.full((rows,), context, jnp.int32)
-    dstate = jax.tree.map(  # every KV cache of the drafter's state holds `context` tokens
-        lambda x: x.replace(lengths=lengths) if isinstance(x, KVCache) else x,
-        proposer.init_state(rows, slots, target.dtype),
-        is_leaf=lambda x: isinstance(x, KVCache),
-    )
+    dstate = _at_length(proposer.init_state(rows, slots, target.dtype), context)
     state = DecodeState(
         cache=_cache_at(target, rows, slots, context),
         last_token=jnp.full((rows,), 5, jnp.int32),
@@ -94,6 +100,65 @@ def draft_time(target: Target, drafter, rows: int, context: int, slots: int, rep
     keys = jax.vmap(jax.random.key)(jnp.zeros((rows,), jnp.uint32))
     draft = jax.jit(lambda p, tp, s, k: proposer.propose(p, tp, s, k)[0])
     return median_time(draft, drafter.params, target.params, state, keys, reps=reps)
+
+
+def step_times(
+    target: Target,
+    drafter_params: Any,
+    proposers: dict[Any, Proposer | None],
+    rows: int,
+    context: int,
+    slots: int,
+    reps: int,
+) -> dict[Any, float]:
+    """Median seconds of one whole decode step (`dflax.decoding.decode.decode_step`, greedy) per proposer
+    (None: plain decoding), for `rows` rows after `context` tokens in caches of `slots` slots.
+
+    The proposers share one drafter's parameters and state layout (chains and trees of one DFlash or DART
+    drafter). The steps are timed in `reps` rounds that each run every proposer once, so a load that comes
+    and goes on the machine slows them alike; before each step the lengths go back to `context`.
+    """
+    drafting = [p for p in proposers.values() if p is not None]
+    most = max((p.num_draft for p in drafting), default=0)
+    dstate = drafting[0].init_state(rows, slots, target.dtype) if drafting else None
+    state = DecodeState(
+        cache=_cache_at(target, rows, slots, context),
+        last_token=jnp.full((rows,), 5, jnp.int32),
+        tokens=jnp.zeros((rows, most + 2), jnp.int32),
+        num_generated=jnp.ones((rows,), jnp.int32),
+        max_new=jnp.full((rows,), 1 << 20, jnp.int32),
+        done=jnp.zeros((rows,), jnp.bool_),
+        row_keys=jax.vmap(jax.random.key)(jnp.arange(rows, dtype=jnp.uint32)),
+        eos_ids=jnp.full((1,), -1, jnp.int32),  # no token ends a row
+        steps=jnp.zeros((rows,), jnp.int32),
+        accept_hist=jnp.zeros((rows, most + 2), jnp.int32),
+    )
+    sampling = SamplingParams.make(0.0)
+    steps = {
+        key: jax.jit(functools.partial(decode_step, target.module, proposer=p), donate_argnums=(1,))
+        for key, p in proposers.items()
+    }
+
+    def run(key) -> float:
+        nonlocal state, dstate
+        start = _at_length(state, context).replace(
+            num_generated=jnp.ones((rows,), jnp.int32),
+            drafter_state=None if proposers[key] is None else _at_length(dstate, context),
+        )
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(steps[key](target.params, start, sampling, drafter_params))
+        elapsed = time.perf_counter() - t0
+        if state.drafter_state is not None:
+            dstate = state.drafter_state
+        return elapsed
+
+    for key in proposers:  # compiles
+        run(key)
+    times = {key: [] for key in proposers}
+    for _ in range(reps):
+        for key in proposers:
+            times[key].append(run(key))
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def measure_cost_curve(
@@ -156,22 +221,27 @@ def step_costs(
     drafter,
     rows: int,
     context: int,
+    slots: int,
     candidates: Sequence[int],
     reps: int = 7,
     tree_budgets: Sequence[int] = (),
-) -> dict[str, dict[int, float]]:
-    """{"verify_s": {n: s}, "draft_s": {B: s}, "tree_draft_s": {N: s}} for block sizes `candidates` and
-    trees of `tree_budgets` nodes over the largest candidate block, at `rows` rows and about `context`
-    tokens, measured once per machine, target, drafter architecture and shape, then read from dflax's cache
+) -> dict[str, Any]:
+    """{"plain_s": s, "chain_s": {B: s}, "tree_s": {N: s}}: seconds of one decode step of plain decoding,
+    of chains of the block sizes `candidates` and of trees of `tree_budgets` nodes over the largest
+    candidate block (`step_times`), at `rows` rows, about `context` tokens and `slots` cache slots;
+    measured once per machine, target, drafter architecture and shape, then read from dflax's cache
     directory."""
     context = 1 << max(5, (context - 1).bit_length())  # a power of two: one measurement per octave
+    slots = max(slots, context + max([*candidates, *(n + 1 for n in tree_budgets)]) + 1)
     key = {
         "machine": _machine(),
         "target": [target.name, str(target.dtype), str(jnp.dtype(target.cache_dtype)), repr(target.config)],
         "backend": target.module.attention_backend,
         "drafter": repr(drafter.config),
+        "measure": "decode_step",
         "rows": rows,
         "context": context,
+        "slots": slots,
         "candidates": sorted(candidates),
         "tree_budgets": sorted(tree_budgets),
         "reps": reps,
@@ -179,19 +249,20 @@ def step_costs(
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_dir() / "cost_curves" / f"{digest}.json"
     if path.is_file():
-        stored = json.loads(path.read_text(encoding="utf-8"))
-        return {name: {int(k): v for k, v in curve.items()} for name, curve in stored["costs"].items()}
-    slots = context + max([*candidates, *(n + 1 for n in tree_budgets)]) + _SLOT_MARGIN
-    sizes = sorted({1, *candidates, *(n + 1 for n in tree_budgets)})
+        stored = json.loads(path.read_text(encoding="utf-8"))["costs"]
+        return {
+            "plain_s": stored["plain_s"],
+            **{name: {int(k): v for k, v in stored[name].items()} for name in ("chain_s", "tree_s")},
+        }
     block = drafter.with_block_size(max(candidates))
+    proposers = {("plain", 0): None}
+    proposers.update({("chain", b): drafter.with_block_size(b).proposer for b in candidates})
+    proposers.update({("tree", n): block.with_tree_budget(n).proposer for n in tree_budgets})
+    times = step_times(target, drafter.params, proposers, rows, context, slots, reps)
     costs = {
-        "verify_s": verify_times(target, sizes, rows, context, slots, reps),
-        "draft_s": {
-            b: draft_time(target, drafter.with_block_size(b), rows, context, slots, reps) for b in candidates
-        },
-        "tree_draft_s": {
-            n: draft_time(target, block.with_tree_budget(n), rows, context, slots, reps) for n in tree_budgets
-        },
+        "plain_s": times["plain", 0],
+        "chain_s": {b: times["chain", b] for b in candidates},
+        "tree_s": {n: times["tree", n] for n in tree_budgets},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -201,7 +272,14 @@ def step_costs(
 
 
 def auto_block_size(
-    target: Target, drafter, rows: int, context: int, trees: bool = True
+    target: Target,
+    drafter,
+    rows: int,
+    context: int,
+    trees: bool = True,
+    *,
+    slots: int = 0,
+    static_tokens: int | None = None,
 ) -> tuple[Any, BlockSizeChoice]:
     """The drafter at the block size (or tree budget) the cost model predicts fastest, or None for plain
     decoding.
@@ -215,6 +293,10 @@ def auto_block_size(
       context: a typical prompt length plus half the new tokens.
       trees: weigh draft trees too (when the drafter's rank acceptance was measured and it drafts
         greedily); False keeps to chains.
+      slots: the run's cache slots (a bf16 cache costs in proportion to its slots on a CPU); at least the
+        context plus the largest candidate step.
+      static_tokens: the new tokens per row when the run decodes static batches of `rows` > 1 rows (each
+        batch waits for its slowest row: `dflax.decoding.block_size`); None for continuous batching.
 
     Returns:
       (the drafter at the chosen block size and tree budget, or None; the choice with its predictions).
@@ -231,13 +313,15 @@ def auto_block_size(
     trained = drafter.trained_block_size
     candidates = [b for b in AUTO_BLOCK_SIZES if b <= min(trained, len(drafter.accept) + 1)]
     budgets = AUTO_TREE_BUDGETS if trees and drafter.drafts_greedily and drafter.rank_accept else ()
-    costs = step_costs(target, drafter, rows, context, candidates, tree_budgets=budgets)
+    costs = step_costs(target, drafter, rows, context, slots, candidates, tree_budgets=budgets)
     choice = choose_block_size(
         drafter.accept,
-        costs["verify_s"],
-        costs["draft_s"],
+        costs["plain_s"],
+        costs["chain_s"],
         rank_accept=drafter.rank_accept,
-        tree_draft_s=costs.get("tree_draft_s"),
+        tree_s=costs["tree_s"],
+        rows=rows,
+        new_tokens=static_tokens,
     )
     if choice.block_size is None:
         return None, choice

@@ -14,8 +14,8 @@ probable as the path, so those N paths form a tree, and they are enumerated best
 first children and next siblings, as the decoding tree builder does). A chain is the tree of paths
 (0, ..., 0), and its tau is `block_size.expected_tau` of a[:, 0] when the stats condition alike.
 
-The predicted speedup of N nodes over plain decoding is tau(N) * t_verify(1) / (t_draft(N) +
-t_verify(N + 1)), the same form as a chain's; `dflax.decoding.block_size.choose_block_size` weighs both.
+The predicted speedup of N nodes over plain decoding is tau(N) * t_step(plain) / t_step(N), the same form
+as a chain's; `dflax.decoding.block_size.choose_block_size` weighs both.
 
 Glossary: n draft positions, K candidates counted per position (RANKS), N nodes (the root not counted).
 """
@@ -28,8 +28,13 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def tree_tau_curve(rank_accept: Sequence[Sequence[float]], max_nodes: int) -> np.ndarray:
-    """tau(N) for N = 0 .. max_nodes: [max_nodes + 1] float64, tau(0) = 1 (the bonus token alone).
+def tree_commit_moments(rank_accept: Sequence[Sequence[float]], max_nodes: int) -> np.ndarray:
+    """[max_nodes + 1, 2] float64: tau(N) = E[c] and E[c^2] of the tokens c one step with the best N-node
+    tree commits, for N = 0 .. max_nodes (N = 0: the bonus token alone, c = 1).
+
+    c = 1 + the depth of the deepest accepted node, and the nodes of one depth exclude each other, so
+    P(c > d) is the sum over depth-d nodes of their path probability and E[c^2] = 1 + sum over nodes of
+    (2 depth + 1) times it.
 
     Args:
       rank_accept: [n, K] a[j, r] per draft position j and candidate rank r (rows may sum to < 1: the
@@ -44,17 +49,18 @@ def tree_tau_curve(rank_accept: Sequence[Sequence[float]], max_nodes: int) -> np
     if a.ndim != 2 or ((a < 0) | (a > 1)).any() or (a.sum(axis=1) > 1 + 1e-6).any():
         raise ValueError(f"rank acceptance must be [positions, ranks] of probabilities, got {a!r}")
     n, k = a.shape
-    taus = np.ones(max_nodes + 1)
+    moments = np.ones((max_nodes + 1, 2))
     # Frontier entries: (-probability, depth index j, rank r, probability of the parent path).
     frontier = [(-a[0, 0], 0, 0, 1.0)] if n else []
-    total = 1.0
+    total, square = 1.0, 1.0
     for size in range(1, max_nodes + 1):
         if frontier:
             neg, j, r, parent = heapq.heappop(frontier)
             total -= neg
+            square -= (2 * (j + 1) + 1) * neg
             if r + 1 < k:  # the next sibling: the same parent, the next candidate at position j
                 heapq.heappush(frontier, (-parent * a[j, r + 1], j, r + 1, parent))
             if j + 1 < n:  # the first child: the best candidate one position deeper
                 heapq.heappush(frontier, (neg * a[j + 1, 0], j + 1, 0, -neg))
-        taus[size] = total
-    return taus
+        moments[size] = total, square
+    return moments
