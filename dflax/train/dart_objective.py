@@ -27,7 +27,7 @@ from dflax.drafters.dart import DartDrafter
 from dflax.drafters.draft_vocab import vocab_index
 from dflax.models.transformer import Transformer
 from dflax.train import objective
-from dflax.train.objective import BlockStats, block_stats, label_rank
+from dflax.train.objective import BlockStats, block_stats, label_rank, target_next_token_log_probs
 
 DEPTH_DECAY = 0.6  # the paper's per-depth loss decay
 
@@ -90,15 +90,6 @@ def dart_hidden(module: DartDrafter, params, embed, features, tokens, anchors) -
     return jnp.concatenate([first[:, :, None], rest], axis=2)
 
 
-def target_log_probs(target: Transformer, target_params, final_hidden, vocab_ids) -> jax.Array:
-    """The target's next-token log-probabilities from its last layer's output [..., D] (before the final
-    norm), over the draft vocabulary `vocab_ids` [V'] (renormalised) or all of it (None): [..., V']."""
-    logits = target.apply(
-        target_params, final_hidden, vocab_ids, method=lambda m, h, ids: m.logits(m.norm(h), ids)
-    )
-    return jax.nn.log_softmax(logits, axis=-1)
-
-
 def dart_loss(
     module: DartDrafter,
     target: Transformer,
@@ -148,7 +139,7 @@ def dart_loss(
     valid = used[..., None] & (at + 1 < lengths[:, None, None])  # [N, M, d]
     gather = jax.vmap(lambda seq, idx: jnp.take(seq, idx, axis=0, mode="clip"))
     vocab_ids = None if draft_vocab is None else jnp.asarray(draft_vocab)
-    log_p = target_log_probs(target, target_params, gather(final, at), vocab_ids)  # [N, M, d, V']
+    log_p = target_next_token_log_probs(target, target_params, gather(final, at), vocab_ids)  # [N, M, d, V']
     loss = depth_weighted_kl(log_p, log_q, valid, decay)
 
     labels = gather(tokens, at + 1)  # [N, M, d] target ids x_{a+1+t}

@@ -160,7 +160,7 @@ def diffusion_loss(
     # token_scores reads positions 1..K against labels 1..K: put block position k - 1 at k (the shift).
     shifted = jnp.roll(hidden, 1, axis=1)  # [R, K + 1, D]
     readout = functools.partial(drafter.readout, params)
-    ce, correct = objective.token_scores(readout, shifted, windows.labels, chunk_rows)  # [R, K]
+    ce, rank = objective.token_scores(readout, shifted, windows.labels, chunk_rows)[:2]  # [R, K] each
     w = weights[None, :] * windows.scored
     loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-9)
-    return loss, objective.block_stats(correct, windows.scored)
+    return loss, objective.block_stats(rank, windows.scored)

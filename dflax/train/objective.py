@@ -212,10 +212,26 @@ def block_hidden(
     return hidden.reshape(rows, width, -1)
 
 
+def target_next_token_log_probs(target: Transformer, target_params, final_hidden, vocab_ids) -> jax.Array:
+    """The target's next-token log-probabilities from its last layer's output [..., D] (before the final
+    norm), over the draft vocabulary `vocab_ids` [V'] (renormalised) or all of it (None): [..., V']."""
+    logits = target.apply(
+        target_params, final_hidden, vocab_ids, method=lambda m, h, ids: m.logits(m.norm(h), ids)
+    )
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
 def token_scores(
-    readout: Callable[[jax.Array], jax.Array], hidden: jax.Array, labels: jax.Array, chunk_rows: int
-) -> tuple[jax.Array, jax.Array]:
-    """Cross-entropy and rank of the drafted positions' labels, `chunk_rows` rows of logits at a time.
+    readout: Callable[[jax.Array], jax.Array],
+    hidden: jax.Array,
+    labels: jax.Array,
+    chunk_rows: int,
+    target_readout: Callable[[jax.Array], jax.Array] | None = None,
+    target_hidden: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """Cross-entropy and rank of the drafted positions' labels (and, given the target's hidden states, the
+    KL from the target's next-token distribution and the overlap with it), `chunk_rows` rows of logits at
+    a time.
 
     Each chunk's [chunk_rows, n, V'] logits are recomputed in the backward pass instead of stored, so the
     LM head's memory is one chunk's, not R rows'.
@@ -225,27 +241,44 @@ def token_scores(
       hidden: [R, B, D] drafter hidden states.
       labels: [R, n] int32 indices into the read-out's V' tokens; -1 = a token it cannot draft.
       chunk_rows: rows per LM-head chunk.
+      target_readout: [C, n, D] -> [C, n, V'] the target's log-probabilities over the same V' tokens
+        (`target_next_token_log_probs`), or None: no KL.
+      target_hidden: [R, n, D] the target's last-layer output at the position before each label.
 
     Returns:
       (ce [R, n] float32, meaningless where labels is -1; rank [R, n] int32: the label's place among the
-      drafter's candidates, 0 = its argmax (see `label_rank`)).
+      drafter's candidates, 0 = its argmax (see `label_rank`); kl [R, n] float32 KL(p || q) of the
+      target's p and the drafter's q over the V' tokens; overlap [R, n] sum min(p, q), the chance that
+      the ratio rule accepts a draft sampled from q at temperature 1; kl and overlap None without
+      `target_readout`).
     """
     rows, n = labels.shape
     chunks = -(-rows // chunk_rows)
     pad = chunks * chunk_rows - rows
-    h = jnp.pad(hidden[:, 1:], ((0, pad), (0, 0), (0, 0))).reshape(chunks, chunk_rows, n, -1)
-    y = jnp.pad(labels, ((0, pad), (0, 0))).reshape(chunks, chunk_rows, n)
+
+    def chunked(x):  # [R, ...] -> [chunks, C, ...]
+        x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+        return x.reshape(chunks, chunk_rows, *x.shape[1:])
+
+    h, y = chunked(hidden[:, 1:]), chunked(labels)
+    t = None if target_readout is None else chunked(target_hidden)
 
     @jax.checkpoint
     def score(args):
-        h_c, y_c = args  # [C, n, D], [C, n]
+        h_c, y_c, t_c = args  # [C, n, D], [C, n], [C, n, D] or None
         logits = readout(h_c)  # [C, n, V'] float32
+        log_norm = jax.nn.logsumexp(logits, axis=-1)  # [C, n]
         picked = jnp.take_along_axis(logits, jnp.maximum(y_c, 0)[..., None], axis=-1)[..., 0]  # [C, n]
-        ce = jax.nn.logsumexp(logits, axis=-1) - picked
-        return ce, label_rank(logits, y_c)
+        kl = overlap = None
+        if t_c is not None:
+            log_p = target_readout(t_c)  # [C, n, V']
+            log_q = logits - log_norm[..., None]
+            kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [C, n]
+            overlap = jnp.sum(jnp.exp(jnp.minimum(log_p, log_q)), axis=-1)  # [C, n]
+        return log_norm - picked, label_rank(logits, y_c), kl, overlap
 
-    ce, rank = jax.lax.map(score, (h, y))  # [chunks, C, n] each
-    return ce.reshape(-1, n)[:rows], rank.reshape(-1, n)[:rows]
+    scores = jax.lax.map(score, (h, y, t))  # [chunks, C, n] each (or None)
+    return tuple(None if x is None else x.reshape(-1, n)[:rows] for x in scores)
 
 
 def label_rank(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -275,6 +308,8 @@ class BlockStats:
       ranked: blocks whose labels 1..k-1 all rank below RANKS (k valid): a tree holding the top RANKS
         candidates of every position reaches position k.
       rank_count: [n, RANKS] of the `ranked` blocks, those whose label k has rank r.
+      overlap: the sum over valid blocks of sum_x min(p_k(x), q_k(x)), the target's and the drafter's
+        distributions at k (0 where the loss did not read the target's: see `dflash_loss`).
     """
 
     correct: jax.Array
@@ -283,14 +318,16 @@ class BlockStats:
     reached: jax.Array
     ranked: jax.Array
     rank_count: jax.Array
+    overlap: jax.Array
 
     def __add__(self, other: BlockStats) -> BlockStats:
         return jax.tree.map(jnp.add, self, other)
 
 
-def block_stats(rank: jax.Array, valid: jax.Array) -> BlockStats:
-    """Counts from the labels' ranks [R, n] int32 (0 = the drafter's argmax, see `label_rank`) and the
-    blocks' validity [R, n] bool."""
+def block_stats(rank: jax.Array, valid: jax.Array, overlap: jax.Array | None = None) -> BlockStats:
+    """Counts from the labels' ranks [R, n] int32 (0 = the drafter's argmax, see `label_rank`), the
+    blocks' validity [R, n] bool and, when the loss read the target's distributions, their overlap with
+    the drafter's [R, n] float32."""
     correct = rank == 0
     prefix = jnp.cumprod(correct, axis=1).astype(jnp.bool_)  # [R, n] drafts 1..k all right
     before = jnp.concatenate([jnp.ones_like(prefix[:, :1]), prefix[:, :-1]], axis=1)  # drafts 1..k-1
@@ -305,6 +342,7 @@ def block_stats(rank: jax.Array, valid: jax.Array) -> BlockStats:
         count(before),
         count(ranked),
         jnp.sum(one_hot & ranked[..., None], axis=0, dtype=jnp.float32),
+        jnp.zeros(rank.shape[1:]) if overlap is None else jnp.sum(jnp.where(valid, overlap, 0.0), axis=0),
     )
 
 
@@ -326,6 +364,20 @@ def acceptance(stats: BlockStats) -> tuple[jax.Array, jax.Array]:
     return acc, 1.0 + jnp.sum(jnp.cumprod(acc))
 
 
+def sampled_acceptance(stats: BlockStats) -> tuple[jax.Array, jax.Array]:
+    """The ratio rule's acceptance at temperature 1 (target and drafts) per position, and its tau.
+
+    acc_k = the mean over valid blocks of sum_x min(p_k(x), q_k(x)), p_k the target's next-token
+    distribution after the sequence's own tokens and q_k the drafter's (0 when the loss did not read the
+    target's distributions); positions taken as independent, tau = 1 + sum_k prod_{j <= k} acc_j.
+
+    Returns:
+      (acc [n], tau []).
+    """
+    acc = stats.overlap / jnp.maximum(stats.valid, 1.0)  # [n]
+    return acc, 1.0 + jnp.sum(jnp.cumprod(acc))
+
+
 def rank_acceptance(stats: BlockStats) -> jax.Array:
     """[n, RANKS] P(label k has rank r | labels 1..k-1 rank below RANKS): what a tree over the top
     candidates of each position accepts at depth k (see dflax.decoding.tree_budget)."""
@@ -341,8 +393,11 @@ def dflash_loss(
     weights: jax.Array,
     chunk_rows: int,
     attention_chunk: int,
+    final_hidden: jax.Array | None = None,
+    distill_weight: float = 0.0,
 ) -> tuple[jax.Array, BlockStats]:
-    """The weighted block cross-entropy of a batch.
+    """The weighted block loss of a batch: cross-entropy to the target's tokens, mixed with the KL from
+    the target's next-token distribution when `distill_weight` > 0.
 
     Args:
       proposer: the DFlash proposer (drafter and target modules, block size B).
@@ -353,19 +408,38 @@ def dflash_loss(
       weights: [n] position weights.
       chunk_rows: LM-head rows per chunk.
       attention_chunk: blocks per attention chunk.
+      final_hidden: [N, S, D] the target's last-layer output (before its final norm) at every position;
+        needed when distill_weight > 0.
+      distill_weight: lambda in [0, 1]: each position's loss is (1 - lambda) * ce + lambda * KL(p || q),
+        p the target's next-token distribution (temperature 1) before the label and q the drafter's, both
+        over the draft vocabulary. Acceptance at temperature 1 is the overlap sum min(p, q), which the
+        cross-entropy to the greedy tokens alone does not train.
 
     Returns:
-      (loss: sum_k w_k * ce * valid / sum_k w_k * valid, the batch's BlockStats). With a draft vocabulary,
-      labels outside it carry no loss and count as wrong drafts in the stats.
+      (loss: sum_k w_k * loss_k * valid / sum_k w_k * valid, the batch's BlockStats). With a draft
+      vocabulary, labels outside it carry no loss and count as wrong drafts in the stats.
     """
     target_params = jax.lax.stop_gradient(target_params)
     hidden = block_hidden(proposer, params, target_params, features, blocks, attention_chunk)  # [R, B, D]
     labels = blocks.labels  # [R, n] target token ids
+    vocab_ids = None
     if proposer.draft_vocab is not None:
+        vocab_ids = jnp.asarray(proposer.draft_vocab)
         index = vocab_index(proposer.draft_vocab, proposer.target.config.vocab_size)  # [V]
         labels = jnp.take(jnp.asarray(index), labels)  # [R, n] draft-vocabulary indices, -1 outside
     readout = functools.partial(proposer.draft_logits, target_params)
-    ce, rank = token_scores(readout, hidden, labels, chunk_rows)  # [R, n]
+    target_readout = target_hidden = None
+    if distill_weight:
+        n = labels.shape[1]
+        per_seq = blocks.anchors.shape[0] // final_hidden.shape[0]
+        before = blocks.anchors[:, None] + jnp.arange(n, dtype=jnp.int32)  # [R, n]: label k's position - 1
+        rows = jnp.repeat(jnp.arange(final_hidden.shape[0]), per_seq)  # [R] each block's sequence
+        target_hidden = final_hidden[rows[:, None], jnp.minimum(before, final_hidden.shape[1] - 1)]
+        target_readout = functools.partial(
+            target_next_token_log_probs, proposer.target, target_params, vocab_ids=vocab_ids
+        )
+    ce, rank, kl, overlap = token_scores(readout, hidden, labels, chunk_rows, target_readout, target_hidden)
+    position_loss = ce if kl is None else (1.0 - distill_weight) * ce + distill_weight * kl
     w = weights[None, :] * (blocks.valid & (labels >= 0))  # [R, n]
-    loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-9)
-    return loss, block_stats(rank, blocks.valid)
+    loss = jnp.sum(w * position_loss) / jnp.maximum(jnp.sum(w), 1e-9)
+    return loss, block_stats(rank, blocks.valid, overlap)

@@ -159,6 +159,9 @@ class TrainConfig(RunSettings):
       length_bucket: 0 = every training batch is max_seq_len long; b > 0 = a batch is cut to its longest
         sequence rounded up to a multiple of b (one compiled step per length), so short batches skip the
         context work of empty positions.
+      distill_weight: DFlash's lambda in [0, 1]: each drafted position's loss is (1 - lambda) * the
+        cross-entropy to the target's token + lambda * KL(target's next-token distribution || drafter's)
+        (`objective.dflash_loss`); > 0 caches the target's last layer as one more feature.
     """
 
     method: str = "dflash"
@@ -180,6 +183,7 @@ class TrainConfig(RunSettings):
     compute_dtype: str = "float32"
     feature_dtype: str = "float32"
     length_bucket: int = 0
+    distill_weight: float = 0.0
 
     def __post_init__(self):
         if self.target_layer_ids is not None:
@@ -227,7 +231,11 @@ class TrainConfig(RunSettings):
                     f"training config: {name} {getattr(self, name)!r} unknown; "
                     f"use one of {', '.join(choices)}"
                 )
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(f"training config: distill_weight must be in [0, 1], got {self.distill_weight}")
         if self.method == "dart":
+            if self.distill_weight:
+                raise ValueError("training config: DART's loss is a KL already; leave distill_weight 0")
             if self.compute_dtype != "float32":
                 raise ValueError("training config: DART trains in float32; set compute_dtype 'float32'")
             if self.num_layers != 1 or self.init != "random":
@@ -421,10 +429,15 @@ def dflash_loss_fn(proposer: DFlashProposer, config: TrainConfig, compute_dtype:
     n = config.block_size - 1
     dtype = jnp.dtype(compute_dtype)
 
+    hidden_size = proposer.target.config.hidden_size
+
     def loss_fn(params, target_params, batch, key):
         # bf16 compute: the products run on bf16 copies; gradients flow back to the float32 masters.
         params, target_params = jax.tree.map(lambda a: a.astype(dtype), (params, target_params))
-        features = batch["features"].astype(dtype)  # [N, S, K * D]
+        features = batch["features"].astype(dtype)  # [N, S, K * D], then the last layer's D to distill
+        final = None
+        if config.distill_weight:
+            features, final = features[..., :-hidden_size], features[..., -hidden_size:]
         blocks = objective.make_blocks(
             key,
             batch["tokens"],
@@ -443,6 +456,8 @@ def dflash_loss_fn(proposer: DFlashProposer, config: TrainConfig, compute_dtype:
             weights,
             config.logits_chunk,
             config.attention_chunk,
+            final,
+            config.distill_weight,
         )
 
     return loss_fn
@@ -517,7 +532,8 @@ class _Programs:
       features: (target_params, tokens [rows, S], lengths [rows]) -> [L, K * D] bf16 target features of the
         rows' real tokens back to back (the prefill path at the recipe's feature_dtype; rows and L from
         the recipe).
-      taps: the target layers cached as features (DART's: its fused layers, then the target's last).
+      taps: the target layers cached as features (DART's, and DFlash's with distill_weight: the fused layers,
+        then the target's last).
     """
 
     module: DFlashDrafter | DartDrafter
@@ -568,7 +584,8 @@ def _programs(
         proposer = DFlashProposer(module, target, config.block_size, draft_vocab=vocab)
         loss_fn = dflash_loss_fn(proposer, config, config.compute_dtype)
         eval_loss_fn = dflash_loss_fn(proposer, config)
-        taps = drafter.target_layer_ids
+        # + the target's last layer, whose next-token distribution the KL term distills
+        taps = drafter.target_layer_ids + ((target.config.num_layers - 1,) if config.distill_weight else ())
     sharding = None if mesh is None else TrainingSharding.for_drafter(drafter.layers, mesh)
     train_step, eval_step = make_steps(loss_fn, tx, sharding, eval_loss_fn)
     features = feature_program(target, taps, config.feature_tokens, config.feature_dtype)
@@ -641,8 +658,9 @@ def _validate(
     seed: int,
     place: Callable[[dict], dict],
 ):
-    """Loss, per-position accuracy and greedy acceptance on held-out sequences (fixed anchors); `place`
-    puts each host batch where the step reads it."""
+    """Loss, per-position accuracy and greedy acceptance on held-out sequences (fixed anchors), and the
+    acceptance at temperature 1 when the loss reads the target's distributions; `place` puts each host
+    batch where the step reads it."""
     key = jax.random.key(seed + 1)
     losses, total = [], None
     index = np.arange(-(-len(val) // batch_size) * batch_size)
@@ -653,13 +671,18 @@ def _validate(
         losses.append(loss)
         total = stats if total is None else total + stats
     acc, tau = objective.acceptance(total)
-    return {
+    entry = {
         "val_loss": float(np.mean(jax.device_get(losses))),
         "val_acc": np.round(np.asarray(objective.position_accuracy(total)), 4).tolist(),
         "val_accept": np.round(np.asarray(acc), 4).tolist(),
         "val_rank_accept": np.round(np.asarray(objective.rank_acceptance(total)), 4).tolist(),
         "val_tau": float(tau),
     }
+    if np.any(np.asarray(total.overlap)):  # the loss read the target's distributions (distill_weight)
+        sampled, sampled_tau = objective.sampled_acceptance(total)
+        entry["val_accept_t1"] = np.round(np.asarray(sampled), 4).tolist()
+        entry["val_tau_t1"] = float(sampled_tau)
+    return entry
 
 
 def _summary(pending: list[dict], tokens: int, seconds: float, step: int) -> dict:

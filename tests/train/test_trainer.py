@@ -384,10 +384,66 @@ def test_draft_vocabulary_loss_reads_out_its_tokens_and_skips_the_others(target)
     np.testing.assert_array_equal(stats.correct, (correct & np.asarray(blocks.valid)).sum(0))
 
 
-def test_training_with_a_draft_vocabulary_exports_it(target, prompts, sequences, tmp_path):
-    config = dataclasses.replace(TINY, steps=10, draft_vocab_size=64, validate_every=10)
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_distill_weight_mixes_in_the_kl_from_the_targets_next_token_distribution(target, draft_vocab):
+    """(1 - lambda) * ce + lambda * KL(p || q), p the target's softmax before each label (its own forward's
+    logits, renormalised over a draft vocabulary), q the drafter's block logits."""
+    proposer, params = tiny_proposer(target)
+    n, s, lam = 7, 32, 0.3
+    tokens = np.random.default_rng(5).integers(3, 256, (1, s)).astype(np.int32)
+    blocks = objective.make_blocks(
+        jax.random.key(1), jnp.asarray(tokens), jnp.asarray([4]), jnp.asarray([s]), 8, n
+    )
+    vocab = np.arange(target.config.vocab_size, dtype=np.int32)
+    if draft_vocab:  # every label, and some other tokens
+        vocab = np.union1d(np.asarray(blocks.labels), np.arange(3, 200, 3)).astype(np.int32)
+        proposer = dataclasses.replace(proposer, draft_vocab=vocab)
+    features = padded_features(target, tokens, np.asarray([s]), proposer.tap_layers)
+    final = padded_features(target, tokens, np.asarray([s]), (target.config.num_layers - 1,))
+    weights = objective.position_weights(8, 4.0)
+    distill_loss = jax.jit(objective.dflash_loss, static_argnums=(0, 6, 7, 9))
+    loss, stats = distill_loss(proposer, params, target.params, features, blocks, weights, 5, 3, final, lam)
+
+    positions = jnp.arange(s, dtype=jnp.int32)[None]
+    cache = KVCache.init(target.config, 1, s, target.dtype)
+    hidden, _, _ = target.module.apply(target.params, jnp.asarray(tokens), positions, cache, None)
+    target_logits = np.asarray(target.module.apply(target.params, hidden, method=Transformer.logits))[0]
+    anchors, labels = np.asarray(blocks.anchors), np.asarray(blocks.labels)
+    before = np.minimum(anchors[:, None] + np.arange(n), s - 1)  # past the end: weight 0
+    log_p = jax.nn.log_softmax(target_logits[before][..., vocab])  # [R, n, V']
+    logits = block_logits(proposer, params, target, features, blocks)[..., vocab]  # [R, n, V']
+    log_q = jax.nn.log_softmax(logits)
+    kl = np.sum(np.exp(log_p) * (log_p - log_q), -1)
+    index = np.searchsorted(vocab, labels)
+    ce = -np.take_along_axis(np.asarray(log_q), index[..., None], -1)[..., 0]
+    w = np.asarray(weights)[None] * np.asarray(blocks.valid)
+    expected = (w * ((1 - lam) * ce + lam * kl)).sum() / w.sum()
+    np.testing.assert_allclose(loss, expected, rtol=2e-5)
+    # The ratio rule's chance to accept a draft sampled from q: sum min(p, q), summed over valid blocks.
+    overlap = np.sum(np.minimum(np.exp(log_p), np.exp(log_q)), -1) * np.asarray(blocks.valid)
+    np.testing.assert_allclose(stats.overlap, overlap.sum(0), rtol=1e-5)
+    acc, tau = objective.sampled_acceptance(stats)
+    np.testing.assert_allclose(acc, overlap.sum(0) / np.asarray(blocks.valid).sum(0), rtol=1e-5)
+    assert float(tau) == pytest.approx(1 + np.cumprod(np.asarray(acc)).sum(), rel=1e-6)
+    plain, plain_stats = distill_loss(
+        proposer, params, target.params, features, blocks, weights, 5, 3, None, 0.0
+    )
+    np.testing.assert_allclose(plain, (w * ce).sum() / w.sum(), rtol=2e-5)
+    assert abs(float(loss) - float(plain)) > 1e-3  # the KL term moves the loss
+    assert not np.asarray(plain_stats.overlap).any()
+
+
+def test_training_with_a_draft_vocabulary_and_distillation_exports_it(target, prompts, sequences, tmp_path):
+    config = dataclasses.replace(TINY, steps=10, draft_vocab_size=64, validate_every=10, distill_weight=0.5)
     result = train(config, target, sequences[:32], sequences[32:], tmp_path, console=QUIET)
+    assert all(np.isfinite(entry["loss"]) for entry in result.log if "loss" in entry)
+    validation = [entry for entry in result.log if "val_tau" in entry]
+    assert validation and all(1.0 <= entry["val_tau_t1"] <= 8.0 for entry in validation)
     drafter = load_drafter(result.drafter_dir, target)
+    # The features hold the drafter's taps and the target's last layer, which only the loss reads.
+    taps = len(drafter.config.target_layer_ids)
+    width = np.load(tmp_path / "features/train.npy", mmap_mode="r").shape[1]
+    assert width == (taps + 1) * target.config.hidden_size
     responses = [(ids[:64], p) for ids, p in sequences[:32]]  # as truncated to max_seq_len
     np.testing.assert_array_equal(drafter.proposer.draft_vocab, frequent_tokens(responses, 64, 256))
     plain = dflax.generate(target, prompts[32:36], max_new_tokens=16, batch_size=4)
@@ -627,6 +683,10 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     bad.write_text(json.dumps({"block_size": 16, "lerning_rate": 1e-3}))
     with pytest.raises(ValueError, match="lerning_rate"):
         TrainConfig.from_json(bad)
+    with pytest.raises(ValueError, match="distill_weight must be in \\[0, 1\\], got 1.5"):
+        TrainConfig(distill_weight=1.5)
+    with pytest.raises(ValueError, match="DART's loss is a KL already"):
+        TrainConfig(method="dart", num_layers=1, distill_weight=0.5)
 
 
 def test_pipeline_recipes_name_recipes_that_load():
