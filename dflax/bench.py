@@ -179,26 +179,50 @@ def _run_auto(
     shared_prefix="none",
 ):
     """DFlash or DART at the block size (or, with `trees`, the tree budget) the cost model picks for this
-    batch size, or plain decoding when nothing pays."""
-    from dflax.cost_curve import auto_block_size
+    batch size, or plain decoding when nothing pays; after the first prompts (`probe_size`), chosen again
+    with the acceptance those prompts showed (`on_the_run_s_prompts`)."""
+    from dflax.cost_curve import auto_block_size, on_the_run_s_prompts, probe_size
 
     rows = min(batch_size, len(prompt_ids))
     median = sorted(len(p) for p in prompt_ids)[len(prompt_ids) // 2]
-    slots = cache_slots(prompt_bucket(median), max_new_tokens, None)
     # Bench decodes static batches: with several rows, each batch waits for its slowest row.
-    chosen, choice = auto_block_size(
-        target, drafter, rows, context, trees, slots=slots, static_tokens=max_new_tokens
+    choose = functools.partial(
+        auto_block_size,
+        target,
+        rows=rows,
+        context=context,
+        trees=trees,
+        slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
+        static_tokens=max_new_tokens,
     )
-    tokens, per_batch = _run_dflax(
-        target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress, chosen, shared_prefix
-    )
+    run = functools.partial(
+        _run_dflax, target, max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+        progress=progress, shared_prefix=shared_prefix,
+    )  # fmt: skip
+    chosen, choice = choose(drafter)
+    probe = probe_size(rows, len(prompt_ids))
+    probed = {}
+    if chosen is None or chosen.proposer.tree_budget or not probe:  # nothing to measure a chain on
+        tokens, per_batch = run(prompt_ids, seed=seed, drafter=chosen)
+    else:
+        tokens, per_batch = run(prompt_ids[:probe], seed=seed, drafter=chosen)
+        hist = np.sum([b["accept_hist"] for b in per_batch], axis=0)
+        measured, scale = on_the_run_s_prompts(drafter, hist)
+        probed = {"prompts": probe, "block_size": choice.block_size, "acceptance_scale": scale}
+        chosen, choice = choose(measured)
+        rest, rest_batches = run(prompt_ids[probe:], seed=seed + probe, drafter=chosen)
+        tokens, per_batch = tokens + rest, per_batch + rest_batches
+    width = max(len(b["accept_hist"]) for b in per_batch)
     for b in per_batch:
+        b["accept_hist"] = list(b["accept_hist"]) + [0] * (width - len(b["accept_hist"]))
         b["block_size"] = choice.block_size
         b["tree_budget"] = choice.tree_budget
         b["auto_predicted"] = {k: {"tau": t, "speedup": x} for k, (t, x) in choice.predicted.items()}
         b["auto_predicted_trees"] = {
             n: {"tau": t, "speedup": x} for n, (t, x) in choice.predicted_trees.items()
         }
+        if probed:
+            b["auto_probe"] = probed
     return tokens, per_batch
 
 
@@ -281,7 +305,14 @@ def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> d
         else None,
         **{
             k: per_batch[0][k]
-            for k in ("block_size", "tree_budget", "auto_predicted", "auto_predicted_trees", "refills")
+            for k in (
+                "block_size",
+                "tree_budget",
+                "auto_predicted",
+                "auto_predicted_trees",
+                "auto_probe",
+                "refills",
+            )
             if k in per_batch[0]
         },
         **{

@@ -208,31 +208,33 @@ def _block_size_value(text: str) -> int | str:
     return value
 
 
-def _auto_block_size(
-    loaded, spec_drafter, records, batch_size: int, max_new_tokens: int, trees: bool, static: bool
-):
-    """The drafter at the cost model's block size (or tree budget, with `trees`) for this run (static
-    batches or continuous batching), or None (plain decoding); says which."""
+def _auto_chooser(loaded, records, batch_size: int, max_new_tokens: int, trees: bool, static: bool):
+    """choose(drafter) -> the drafter at the cost model's block size (or tree budget, with `trees`) for
+    this run (static batches or continuous batching), or None (plain decoding); it says which."""
     from dflax.cost_curve import auto_block_size
     from dflax.generation import cache_slots, encode_prompt, prompt_bucket
 
     lengths = sorted(len(encode_prompt(loaded, r.prompt)) for r in records) or [1]
     median = lengths[len(lengths) // 2]
-    try:
-        with console.status("block size auto: timing decode steps (once per machine and shape) ..."):
-            chosen, choice = auto_block_size(
-                loaded,
-                spec_drafter,
-                min(batch_size, max(len(records), 1)),
-                median + max_new_tokens // 2,  # the median prompt, half-way through
-                trees,
-                slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
-                static_tokens=max_new_tokens if static else None,
-            )
-    except ValueError as e:
-        _fail(str(e))
-    console.print(choice.describe())
-    return chosen
+
+    def choose(drafter):
+        try:
+            with console.status("block size auto: timing decode steps (once per machine and shape) ..."):
+                chosen, choice = auto_block_size(
+                    loaded,
+                    drafter,
+                    min(batch_size, max(len(records), 1)),
+                    median + max_new_tokens // 2,  # the median prompt, half-way through
+                    trees,
+                    slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
+                    static_tokens=max_new_tokens if static else None,
+                )
+        except ValueError as e:
+            _fail(str(e))
+        console.print(choice.describe())
+        return chosen
+
+    return choose
 
 
 def _read_recipe(cls, path: Path, label: str, **overrides):
@@ -457,13 +459,19 @@ def generate(
             "--block-size auto chooses a DFlash or DART chain or tree itself; with lookup or --tree-budget N "
             "give --block-size B"
         )
+    probe = 0  # prompts decoded before auto chooses again with the acceptance they showed
     if chains and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
         if coordinator is not None:  # each process would time its own forwards and might choose another B
             _fail("--block-size auto times this machine's forwards; give every process --block-size B")
+        import numpy as np
+
+        from dflax.cost_curve import on_the_run_s_prompts, probe_size
+
         trees = tree_budget is None  # --tree-budget 0 asks for chains
-        spec_drafter = _auto_block_size(
-            loaded, spec_drafter, todo, batch_size, max_new_tokens, trees, static=refills is None
-        )
+        choose = _auto_chooser(loaded, todo, batch_size, max_new_tokens, trees, static=refills is None)
+        unchosen, spec_drafter = spec_drafter, choose(spec_drafter)
+        if spec_drafter is not None and not spec_drafter.proposer.tree_budget:  # a chain to measure
+            probe = probe_size(min(batch_size, len(todo)), len(todo))
     sink = None
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -486,8 +494,12 @@ def generate(
         with progress:
             task = progress.add_task("generate", total=len(todo), rate="compiling ...")
 
+            probe_hist = []
+
             def on_result(i, result):
                 record = todo[i]
+                if i < probe:
+                    probe_hist.append(result.stats["accept_hist"])
                 if sink and (coordinator is None or shard_of(record.id, num_processes) == process_id):
                     sink.write(result_line(record.id, result) + "\n")
                     sink.flush()
@@ -498,21 +510,24 @@ def generate(
                 totals.add(result.stats)
                 progress.update(task, advance=1, rate=totals.rate())
 
-            run_generate(
-                loaded,
-                [r.prompt for r in todo],
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                batch_size=batch_size,
-                truncate=truncate,
-                row_seeds=[row_seed(seed, r.id) for r in todo],
-                on_result=on_result,
-                drafter=spec_drafter,
-                refill_every=refills,
-                shared_prefix=shared_prefix,
-            )
+            for start, end in ((0, probe), (probe, len(todo))) if probe else ((0, len(todo)),):
+                if start:  # auto again, from the acceptance the first prompts showed
+                    spec_drafter = choose(on_the_run_s_prompts(unchosen, np.sum(probe_hist, axis=0))[0])
+                run_generate(
+                    loaded,
+                    [r.prompt for r in todo[start:end]],
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    batch_size=batch_size,
+                    truncate=truncate,
+                    row_seeds=[row_seed(seed, r.id) for r in todo[start:end]],
+                    on_result=lambda i, result, start=start: on_result(start + i, result),
+                    drafter=spec_drafter,
+                    refill_every=refills,
+                    shared_prefix=shared_prefix,
+                )
     except ValueError as e:
         _fail(str(e))
     finally:

@@ -5,11 +5,14 @@ forwards. `auto_block_size` times whole decode steps (draft, verify, acceptance,
 update) of plain decoding and of every candidate block size and tree at the run's batch size, context and
 cache slots, in interleaved rounds, caches them on disk per machine, and hands them to the cost model of
 `dflax.decoding.block_size`, so `--block-size auto` picks the block size (or plain decoding) that is
-predicted fastest for this target, drafter and machine.
+predicted fastest for this target, drafter and machine. The drafter's acceptance comes from its held-out
+answers; a run first decodes `probe_size` prompts with that choice, then `on_the_run_s_prompts` scales the
+acceptance to what those prompts accepted and the rest is decoded with the choice made again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -22,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflax.checkpoints.model_files import cache_dir
 from dflax.decoding.block_size import BlockSizeChoice, choose_block_size
@@ -33,6 +37,7 @@ from dflax.roofline import median_time
 from dflax.target import Target
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32)
+PROBE_PROMPTS = 4  # prompts (whole batches, at least) decoded before auto chooses again
 AUTO_BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16)
 AUTO_TREE_BUDGETS = (4, 8, 16, 32, 64)
 _SLOT_MARGIN = 64
@@ -334,3 +339,41 @@ def auto_block_size(
     if choice.block_size is None:
         return None, choice
     return drafter.with_block_size(choice.block_size).with_tree_budget(choice.tree_budget), choice
+
+
+def probe_size(rows: int, prompts: int) -> int:
+    """How many of a run's prompts auto decodes before choosing again: whole batches of `rows`, at least
+    PROBE_PROMPTS; 0 when that would leave no prompt for the second choice."""
+    rows = max(rows, 1)
+    size = rows * -(-PROBE_PROMPTS // rows)
+    return size if size < prompts else 0
+
+
+def on_the_run_s_prompts(drafter, accept_hist: Sequence[int]) -> tuple[Any, float | None]:
+    """The drafter with its held-out acceptance scaled to what a chain accepted on the run's own prompts.
+
+    Args:
+      drafter: the drafter auto chose from (its `accept` and `rank_accept` from TRAINING.json).
+      accept_hist: [B + 1] steps by tokens committed (index = count, `GenerationResult.stats`), summed over
+        the probe's rows, of a chain of block size B.
+
+    Returns:
+      (the drafter with acc_k and the rank acceptance times s, clipped to probabilities, or unchanged when
+      the probe verified nothing; s = drafts the probe accepted over those its acceptance predicts for the
+      same steps, sum_k N(c > k) / sum_k N(c >= k) acc_k, or None).
+    """
+    hist = np.asarray(accept_hist, np.float64)
+    at_least = np.cumsum(hist[::-1])[::-1]  # [B + 1] N(c >= k)
+    drafts = len(hist) - 2  # B - 1 positions drafted
+    reached = at_least[1 : drafts + 1]  # N(c >= k), k = 1 .. B - 1
+    expected = float(np.sum(reached * np.asarray(drafter.accept[:drafts])))
+    if drafts < 1 or expected <= 0:
+        return drafter, None
+    scale = float(np.sum(at_least[2 : drafts + 2])) / expected
+    accept = tuple(float(a) for a in np.clip(np.asarray(drafter.accept) * scale, 0.0, 1.0))
+    rank_accept = drafter.rank_accept
+    if rank_accept:
+        ranks = np.asarray(rank_accept) * scale
+        ranks /= np.maximum(ranks.sum(axis=1, keepdims=True), 1.0)  # each position's ranks sum to <= 1
+        rank_accept = tuple(tuple(float(a) for a in row) for row in ranks)
+    return dataclasses.replace(drafter, accept=accept, rank_accept=rank_accept), scale

@@ -158,6 +158,73 @@ def test_auto_weighs_trees_when_the_drafter_recorded_rank_acceptance(tiny, monke
     assert chain_choice.predicted_trees == {} and chains.proposer.tree_budget == 0
 
 
+def test_probe_acceptance_scales_the_held_out_acceptance(tiny):
+    _, drafter = tiny
+    held_out = dataclasses.replace(
+        drafter, accept=(0.8, 0.5, 0.5) + (0.1,) * 12, rank_accept=((0.8, 0.1),) + ((0.5, 0.3),) * 14
+    )
+    # A B=4 chain: 10 steps committed 1 token, 6 two, 4 four. Drafts accepted: 6 + 4 * 3 = 18; the held-out
+    # acceptance predicts 20 * 0.8 + 10 * 0.5 + 4 * 0.5 = 23 for the same steps reaching each draft.
+    measured, scale = cost_curve.on_the_run_s_prompts(held_out, [0, 10, 6, 0, 4])
+    assert scale == pytest.approx(18 / 23)
+    np.testing.assert_allclose(measured.accept, np.asarray(held_out.accept) * 18 / 23)
+    assert measured.rank_accept[0] == pytest.approx((0.8 * 18 / 23, 0.1 * 18 / 23))
+    better, scale = cost_curve.on_the_run_s_prompts(held_out, [0, 0, 0, 0, 30])  # every draft accepted
+    assert scale == pytest.approx(90 / 54) and max(better.accept) == 1.0
+    assert all(sum(row) <= 1 + 1e-9 for row in better.rank_accept)
+    assert cost_curve.on_the_run_s_prompts(held_out, [0, 0, 0, 0, 0]) == (held_out, None)
+    assert [cost_curve.probe_size(r, n) for r, n in ((1, 40), (8, 40), (8, 8), (3, 10), (1, 4))] == [
+        4,
+        8,
+        0,
+        6,
+        0,
+    ]
+
+
+def test_bench_auto_chooses_again_after_the_first_prompts(tmp_path, tiny):
+    """A drafter whose TRAINING.json promises every draft accepted, but untrained: auto speculates on the
+    first four prompts, sees what they accepted and decodes the rest plainly; the output stays lossless."""
+    target, drafter = tiny
+    directory = tmp_path / "drafter"
+    drafter.save(directory)
+    (directory / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [1.0] * 15}}))
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{5 + i} w6"}) + "\n" for i in range(6)))
+    args = ["bench", "--target", target.name, "--prompts", str(prompts), "--method", "ar,dflash"]
+    args += ["--drafter", str(directory), "--max-new-tokens", "8", "--json", str(report)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    auto = {r["method"]: r for r in json.loads(report.read_text())["results"]}["dflash-auto"]
+    probe = auto["auto_probe"]
+    assert probe["prompts"] == 4 and probe["block_size"] is not None and probe["acceptance_scale"] < 0.5
+    assert auto["block_size"] is None and auto["lossless_match"] == 1.0
+
+
+def test_generate_auto_chooses_again_after_the_first_prompts(tmp_path, tiny):
+    """`dflax generate` does as bench: four prompts with the promised acceptance's choice, then the rest
+    with the acceptance they showed; every prompt's output lands once, equal to plain decoding's."""
+    target, drafter = tiny
+    directory = tmp_path / "drafter"
+    drafter.save(directory)
+    (directory / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [1.0] * 15}}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{5 + i} w6"}) + "\n" for i in range(6)))
+    args = ["generate", "--target", target.name, "--prompts", str(prompts), "--max-new-tokens", "8"]
+    args += ["--batch-size", "1"]
+    spec, plain = tmp_path / "spec.jsonl", tmp_path / "plain.jsonl"
+    result = CliRunner().invoke(
+        app, [*args, "--method", "dflash", "--drafter", str(directory), "--out", str(spec)]
+    )
+    assert result.exit_code == 0, result.output
+    choices = [line for line in result.output.splitlines() if line.startswith("block size auto:")]
+    assert len(choices) == 2 and choices[0].startswith("block size auto: B=")
+    assert choices[1].startswith("block size auto: plain decoding")
+    assert CliRunner().invoke(app, [*args, "--method", "ar", "--out", str(plain)]).exit_code == 0
+    read = lambda path: {r["id"]: r["tokens"] for r in map(json.loads, path.read_text().splitlines())}  # noqa: E731
+    assert read(spec) == read(plain) and sorted(read(spec)) == list(range(6))
+
+
 def test_acceptance_is_read_from_training_json(tmp_path):
     assert measured_acceptance(tmp_path) is None
     (tmp_path / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [0.5, 0.25]}}))
