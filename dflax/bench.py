@@ -180,8 +180,8 @@ def _run_auto(
 ):
     """DFlash or DART at the block size (or, with `trees`, the tree budget) the cost model picks for this
     batch size, or plain decoding when nothing pays; after the first prompts (`probe_size`), chosen again
-    with the acceptance those prompts showed (`on_the_run_s_prompts`)."""
-    from dflax.cost_curve import auto_block_size, on_the_run_s_prompts, probe_size
+    with the acceptance those prompts showed (`scaled_to_probe`)."""
+    from dflax.cost_curve import auto_block_size, probe_size, scaled_to_probe
 
     rows = min(batch_size, len(prompt_ids))
     median = sorted(len(p) for p in prompt_ids)[len(prompt_ids) // 2]
@@ -207,7 +207,7 @@ def _run_auto(
     else:
         tokens, per_batch = run(prompt_ids[:probe], seed=seed, drafter=chosen)
         hist = np.sum([b["accept_hist"] for b in per_batch], axis=0)
-        measured, scale = on_the_run_s_prompts(drafter, hist)
+        measured, scale = scaled_to_probe(drafter, hist)
         probed = {"prompts": probe, "block_size": choice.block_size, "acceptance_scale": scale}
         chosen, choice = choose(measured)
         rest, rest_batches = run(prompt_ids[probe:], seed=seed + probe, drafter=chosen)

@@ -461,11 +461,11 @@ def generate(
         )
     probe = 0  # prompts decoded before auto chooses again with the acceptance they showed
     if chains and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
-        if coordinator is not None:  # each process would time its own forwards and might choose another B
-            _fail("--block-size auto times this machine's forwards; give every process --block-size B")
+        if coordinator is not None:  # each process would time its own steps and might choose another B
+            _fail("--block-size auto times this machine's decode steps; give every process --block-size B")
         import numpy as np
 
-        from dflax.cost_curve import on_the_run_s_prompts, probe_size
+        from dflax.cost_curve import probe_size, scaled_to_probe
 
         trees = tree_budget is None  # --tree-budget 0 asks for chains
         choose = _auto_chooser(loaded, todo, batch_size, max_new_tokens, trees, static=refills is None)
@@ -512,7 +512,7 @@ def generate(
 
             for start, end in ((0, probe), (probe, len(todo))) if probe else ((0, len(todo)),):
                 if start:  # auto again, from the acceptance the first prompts showed
-                    spec_drafter = choose(on_the_run_s_prompts(unchosen, np.sum(probe_hist, axis=0))[0])
+                    spec_drafter = choose(scaled_to_probe(unchosen, np.sum(probe_hist, axis=0))[0])
                 run_generate(
                     loaded,
                     [r.prompt for r in todo[start:end]],

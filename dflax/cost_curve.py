@@ -6,7 +6,7 @@ update) of plain decoding and of every candidate block size and tree at the run'
 cache slots, in interleaved rounds, caches them on disk per machine, and hands them to the cost model of
 `dflax.decoding.block_size`, so `--block-size auto` picks the block size (or plain decoding) that is
 predicted fastest for this target, drafter and machine. The drafter's acceptance comes from its held-out
-answers; a run first decodes `probe_size` prompts with that choice, then `on_the_run_s_prompts` scales the
+answers; a run first decodes `probe_size` prompts with that choice, then `scaled_to_probe` scales the
 acceptance to what those prompts accepted and the rest is decoded with the choice made again.
 """
 
@@ -349,7 +349,7 @@ def probe_size(rows: int, prompts: int) -> int:
     return size if size < prompts else 0
 
 
-def on_the_run_s_prompts(drafter, accept_hist: Sequence[int]) -> tuple[Any, float | None]:
+def scaled_to_probe(drafter, accept_hist: Sequence[int]) -> tuple[Any, float | None]:
     """The drafter with its held-out acceptance scaled to what a chain accepted on the run's own prompts.
 
     Args:

@@ -21,8 +21,8 @@ A static batch of R rows runs until its slowest row is done. Plain rows of L new
 a speculative row takes a random number of steps, about normal with mean L / tau (plus its last step's
 overshoot) and variance L var / tau^3 (var: the variance of the tokens one step commits, steps taken as
 independent), so the batch takes about L / tau + e_R sqrt(L var / tau^3) steps, e_R the mean of the largest
-of R standard normals, and L over that replaces tau in the speedup. Rows whose acceptance differs with their content idle more than
-this; the required margin covers part of that.
+of R standard normals, and L over that replaces tau in the speedup. Rows whose acceptance differs with their
+content idle more than this; the required margin covers part of that.
 """
 
 from __future__ import annotations

@@ -165,14 +165,14 @@ def test_probe_acceptance_scales_the_held_out_acceptance(tiny):
     )
     # A B=4 chain: 10 steps committed 1 token, 6 two, 4 four. Drafts accepted: 6 + 4 * 3 = 18; the held-out
     # acceptance predicts 20 * 0.8 + 10 * 0.5 + 4 * 0.5 = 23 for the same steps reaching each draft.
-    measured, scale = cost_curve.on_the_run_s_prompts(held_out, [0, 10, 6, 0, 4])
+    measured, scale = cost_curve.scaled_to_probe(held_out, [0, 10, 6, 0, 4])
     assert scale == pytest.approx(18 / 23)
     np.testing.assert_allclose(measured.accept, np.asarray(held_out.accept) * 18 / 23)
     assert measured.rank_accept[0] == pytest.approx((0.8 * 18 / 23, 0.1 * 18 / 23))
-    better, scale = cost_curve.on_the_run_s_prompts(held_out, [0, 0, 0, 0, 30])  # every draft accepted
+    better, scale = cost_curve.scaled_to_probe(held_out, [0, 0, 0, 0, 30])  # every draft accepted
     assert scale == pytest.approx(90 / 54) and max(better.accept) == 1.0
     assert all(sum(row) <= 1 + 1e-9 for row in better.rank_accept)
-    assert cost_curve.on_the_run_s_prompts(held_out, [0, 0, 0, 0, 0]) == (held_out, None)
+    assert cost_curve.scaled_to_probe(held_out, [0, 0, 0, 0, 0]) == (held_out, None)
     assert [cost_curve.probe_size(r, n) for r, n in ((1, 40), (8, 40), (8, 8), (3, 10), (1, 4))] == [
         4,
         8,
