@@ -202,13 +202,18 @@ def _run_auto(
     chosen, choice = choose(drafter)
     probe = probe_size(rows, len(prompt_ids))
     probed = {}
-    if chosen is None or chosen.proposer.tree_budget or not probe:  # nothing to measure a chain on
+    if chosen is None or not probe:  # plain decoding measures no acceptance
         tokens, per_batch = run(prompt_ids, seed=seed, drafter=chosen)
     else:
         tokens, per_batch = run(prompt_ids[:probe], seed=seed, drafter=chosen)
         hist = np.sum([b["accept_hist"] for b in per_batch], axis=0)
-        measured, scale = scaled_to_probe(drafter, hist)
-        probed = {"prompts": probe, "block_size": choice.block_size, "acceptance_scale": scale}
+        measured, scale = scaled_to_probe(drafter, hist, choice.block_size, choice.tree_budget)
+        probed = {
+            "prompts": probe,
+            "block_size": choice.block_size,
+            "tree_budget": choice.tree_budget,
+            "acceptance_scale": scale,
+        }
         chosen, choice = choose(measured)
         rest, rest_batches = run(prompt_ids[probe:], seed=seed + probe, drafter=chosen)
         tokens, per_batch = tokens + rest, per_batch + rest_batches

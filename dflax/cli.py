@@ -209,8 +209,9 @@ def _block_size_value(text: str) -> int | str:
 
 
 def _auto_chooser(loaded, records, batch_size: int, max_new_tokens: int, trees: bool, static: bool):
-    """choose(drafter) -> the drafter at the cost model's block size (or tree budget, with `trees`) for
-    this run (static batches or continuous batching), or None (plain decoding); it says which."""
+    """choose(drafter) -> (the drafter at the cost model's block size (or tree budget, with `trees`) for
+    this run (static batches or continuous batching), or None (plain decoding); the choice); it says
+    which."""
     from dflax.cost_curve import auto_block_size
     from dflax.generation import cache_slots, encode_prompt, prompt_bucket
 
@@ -232,7 +233,7 @@ def _auto_chooser(loaded, records, batch_size: int, max_new_tokens: int, trees: 
         except ValueError as e:
             _fail(str(e))
         console.print(choice.describe())
-        return chosen
+        return chosen, choice
 
     return choose
 
@@ -469,8 +470,8 @@ def generate(
 
         trees = tree_budget is None  # --tree-budget 0 asks for chains
         choose = _auto_chooser(loaded, todo, batch_size, max_new_tokens, trees, static=refills is None)
-        unchosen, spec_drafter = spec_drafter, choose(spec_drafter)
-        if spec_drafter is not None and not spec_drafter.proposer.tree_budget:  # a chain to measure
+        unchosen, (spec_drafter, first_choice) = spec_drafter, choose(spec_drafter)
+        if spec_drafter is not None:  # plain decoding measures no acceptance
             probe = probe_size(min(batch_size, len(todo)), len(todo))
     sink = None
     if out:
@@ -512,7 +513,11 @@ def generate(
 
             for start, end in ((0, probe), (probe, len(todo))) if probe else ((0, len(todo)),):
                 if start:  # auto again, from the acceptance the first prompts showed
-                    spec_drafter = choose(scaled_to_probe(unchosen, np.sum(probe_hist, axis=0))[0])
+                    hist = np.sum(probe_hist, axis=0)
+                    measured, _ = scaled_to_probe(
+                        unchosen, hist, first_choice.block_size, first_choice.tree_budget
+                    )
+                    spec_drafter, _ = choose(measured)
                 run_generate(
                     loaded,
                     [r.prompt for r in todo[start:end]],

@@ -32,6 +32,7 @@ from dflax.decoding.block_size import BlockSizeChoice, choose_block_size
 from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import DecodeState, Proposer, decode_step
 from dflax.decoding.sampling import SamplingParams
+from dflax.decoding.tree_budget import tree_commit_moments
 from dflax.models.transformer import Transformer
 from dflax.roofline import median_time
 from dflax.target import Target
@@ -349,27 +350,49 @@ def probe_size(rows: int, prompts: int) -> int:
     return size if size < prompts else 0
 
 
-def scaled_to_probe(drafter, accept_hist: Sequence[int]) -> tuple[Any, float | None]:
-    """The drafter with its held-out acceptance scaled to what a chain accepted on the run's own prompts.
+def scaled_to_probe(
+    drafter, accept_hist: Sequence[int], block_size: int, tree_budget: int = 0
+) -> tuple[Any, float | None]:
+    """The drafter with its held-out acceptance scaled to what the run's own first prompts accepted.
 
     Args:
       drafter: the drafter auto chose from (its `accept` and `rank_accept` from TRAINING.json).
-      accept_hist: [B + 1] steps by tokens committed (index = count, `GenerationResult.stats`), summed over
-        the probe's rows, of a chain of block size B.
+      accept_hist: steps by tokens committed (index = count, `GenerationResult.stats`), summed over the
+        probe's rows.
+      block_size: B of the probe's chain, or of the blocks its tree was drawn over.
+      tree_budget: N of the probe's tree, 0 for a chain.
 
     Returns:
       (the drafter with acc_k and the rank acceptance times s, clipped to probabilities, or unchanged when
-      the probe verified nothing; s = drafts the probe accepted over those its acceptance predicts for the
-      same steps, sum_k N(c > k) / sum_k N(c >= k) acc_k, or None).
+      the probe verified nothing; s, or None). For a chain, s = drafts the probe accepted over those the
+      held-out acceptance predicts for the same steps, sum_k N(c > k) / sum_k N(c >= k) acc_k; for a tree,
+      the s whose scaled rank acceptance predicts the probe's tau for that tree (`tree_commit_moments`).
     """
     hist = np.asarray(accept_hist, np.float64)
-    at_least = np.cumsum(hist[::-1])[::-1]  # [B + 1] N(c >= k)
-    drafts = len(hist) - 2  # B - 1 positions drafted
-    reached = at_least[1 : drafts + 1]  # N(c >= k), k = 1 .. B - 1
-    expected = float(np.sum(reached * np.asarray(drafter.accept[:drafts])))
-    if drafts < 1 or expected <= 0:
-        return drafter, None
-    scale = float(np.sum(at_least[2 : drafts + 2])) / expected
+    at_least = np.cumsum(hist[::-1])[::-1]  # N(c >= k)
+    drafts = block_size - 1
+    if tree_budget:
+        if not drafter.rank_accept or not hist.sum():
+            return drafter, None
+        ranks = np.asarray(drafter.rank_accept)[:drafts]
+        tau = float(np.sum(np.arange(len(hist)) * hist) / hist.sum())
+        low, high = 0.0, 1.0 / max(float(ranks.sum(axis=1).max()), 1e-9)  # rows stay probabilities
+
+        def predicted(scale: float) -> float:
+            return float(tree_commit_moments(ranks * scale, tree_budget)[tree_budget, 0])
+
+        if predicted(high) <= tau:
+            low = high
+        for _ in range(50):  # bisection: the predicted tau grows with the scale, from 1 at 0
+            middle = (low + high) / 2
+            low, high = (middle, high) if predicted(middle) < tau else (low, middle)
+        scale = (low + high) / 2
+    else:
+        reached = at_least[1 : drafts + 1]  # N(c >= k), k = 1 .. B - 1
+        expected = float(np.sum(reached * np.asarray(drafter.accept[:drafts])))
+        if drafts < 1 or expected <= 0:
+            return drafter, None
+        scale = float(np.sum(at_least[2 : drafts + 2])) / expected
     accept = tuple(float(a) for a in np.clip(np.asarray(drafter.accept) * scale, 0.0, 1.0))
     rank_accept = drafter.rank_accept
     if rank_accept:
