@@ -188,15 +188,27 @@ def test_probe_acceptance_scales_the_held_out_acceptance(tiny):
     ]
 
 
+def drafter_claiming(tmp_path, drafter, accept: float):
+    """`drafter` saved with a TRAINING.json whose validation claims acceptance `accept` at 15 positions."""
+    directory = tmp_path / "drafter"
+    drafter.save(directory)
+    (directory / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [accept] * 15}}))
+    return directory
+
+
+def prompt_file(tmp_path, count: int):
+    """A JSONL file of `count` short prompts for the tiny target."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{5 + i} w6"}) + "\n" for i in range(count)))
+    return prompts
+
+
 def test_bench_auto_chooses_again_after_the_first_prompts(tmp_path, tiny):
     """A drafter whose TRAINING.json promises every draft accepted, but untrained: auto speculates on the
     first four prompts, sees what they accepted and decodes the rest plainly; the output stays lossless."""
     target, drafter = tiny
-    directory = tmp_path / "drafter"
-    drafter.save(directory)
-    (directory / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [1.0] * 15}}))
-    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
-    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{5 + i} w6"}) + "\n" for i in range(6)))
+    directory, prompts = drafter_claiming(tmp_path, drafter, 1.0), prompt_file(tmp_path, 6)
+    report = tmp_path / "bench.json"
     args = ["bench", "--target", target.name, "--prompts", str(prompts), "--method", "ar,dflash"]
     args += ["--drafter", str(directory), "--max-new-tokens", "8", "--json", str(report)]
     result = CliRunner().invoke(app, args)
@@ -211,11 +223,7 @@ def test_generate_auto_chooses_again_after_the_first_prompts(tmp_path, tiny):
     """`dflax generate` does as bench: four prompts with the promised acceptance's choice, then the rest
     with the acceptance they showed; every prompt's output lands once, equal to plain decoding's."""
     target, drafter = tiny
-    directory = tmp_path / "drafter"
-    drafter.save(directory)
-    (directory / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [1.0] * 15}}))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{5 + i} w6"}) + "\n" for i in range(6)))
+    directory, prompts = drafter_claiming(tmp_path, drafter, 1.0), prompt_file(tmp_path, 6)
     args = ["generate", "--target", target.name, "--prompts", str(prompts), "--max-new-tokens", "8"]
     args += ["--batch-size", "1"]
     spec, plain = tmp_path / "spec.jsonl", tmp_path / "plain.jsonl"
@@ -268,11 +276,8 @@ def test_projection_is_the_roofline_formula():
 
 def test_bench_auto_block_size_and_projection(tmp_path, tiny):
     target, drafter = tiny
-    directory = tmp_path / "drafter"
-    drafter.save(directory)
-    (directory / "TRAINING.json").write_text(json.dumps({"final_validation": {"val_accept": [0.0] * 15}}))
-    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
-    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{5 + i} w6"}) + "\n" for i in range(2)))
+    directory, prompts = drafter_claiming(tmp_path, drafter, 0.0), prompt_file(tmp_path, 2)
+    report = tmp_path / "bench.json"
     args = ["bench", "--target", target.name, "--prompts", str(prompts), "--method", "ar,dflash"]
     args += ["--drafter", str(directory), "--block-size", "auto,4", "--max-new-tokens", "5"]
     result = CliRunner().invoke(app, [*args, "--json", str(report)])
@@ -294,8 +299,7 @@ def test_bench_chooses_a_dart_drafters_chain_or_tree_by_default(tmp_path, tiny):
     depths = DartConfig.for_target(target.config).num_draft
     useless = {"val_accept": [0.0] * depths, "val_rank_accept": [[0.0] * 8] * depths}
     (directory / "TRAINING.json").write_text(json.dumps({"final_validation": useless}))
-    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
-    prompts.write_text(json.dumps({"id": 0, "prompt": "w5 w6"}) + "\n")
+    prompts, report = prompt_file(tmp_path, 1), tmp_path / "bench.json"
     args = ["bench", "--target", target.name, "--prompts", str(prompts), "--method", "ar,dart"]
     args += ["--drafter", str(directory), "--max-new-tokens", "5", "--json", str(report)]
     result = CliRunner().invoke(app, args)
