@@ -712,6 +712,25 @@ def test_pipeline_recipes_name_recipes_that_load():
     assert limits["dflash-smollm2-stage6"] == (None, limits["dflash-smollm2-stage5"][0])
 
 
+def test_pipeline_data_directories_are_committed_not_ignored():
+    """Machines are not kept: every data directory a committed pipeline writes must be one git keeps
+    (the classes recipe's directory was ignored by `/data/*` until its first shard was to be committed)."""
+    from dflax.train.pipeline import PipelineConfig
+
+    root = RECIPE.parents[2]
+    if subprocess.run(["git", "-C", root, "rev-parse"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    dirs = set()
+    for path in (root / "configs/pipeline").glob("*.json"):
+        pipeline = PipelineConfig.from_json(path)
+        dirs |= {pipeline.data_dir, *(extra.data_dir for extra in pipeline.extra_data)}
+    probes = [f"{d}/{name}" for d in sorted(dirs) for name in ("manifest.json", "train-00000.npz")]
+    ignored = subprocess.run(
+        ["git", "-C", root, "check-ignore", "--no-index", *probes], capture_output=True, text=True
+    )
+    assert ignored.stdout.split() == [], f"git ignores pipeline data: {ignored.stdout.split()}"
+
+
 def test_pipeline_extra_data_and_train_skip_are_checked():
     from dflax.train.pipeline import ExtraData, PipelineConfig
 
