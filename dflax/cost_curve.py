@@ -369,25 +369,25 @@ def scaled_to_probe(
       the s whose scaled rank acceptance predicts the probe's tau for that tree (`tree_commit_moments`).
     """
     hist = np.asarray(accept_hist, np.float64)
-    at_least = np.cumsum(hist[::-1])[::-1]  # N(c >= k)
     drafts = block_size - 1
     if tree_budget:
         if not drafter.rank_accept or not hist.sum():
             return drafter, None
         ranks = np.asarray(drafter.rank_accept)[:drafts]
         tau = float(np.sum(np.arange(len(hist)) * hist) / hist.sum())
-        low, high = 0.0, 1.0 / max(float(ranks.sum(axis=1).max()), 1e-9)  # rows stay probabilities
 
         def predicted(scale: float) -> float:
             return float(tree_commit_moments(ranks * scale, tree_budget)[tree_budget, 0])
 
-        if predicted(high) <= tau:
-            low = high
-        for _ in range(50):  # bisection: the predicted tau grows with the scale, from 1 at 0
-            middle = (low + high) / 2
-            low, high = (middle, high) if predicted(middle) < tau else (low, middle)
-        scale = (low + high) / 2
+        low, high = 0.0, 1.0 / max(float(ranks.sum(axis=1).max()), 1e-9)  # rows stay probabilities
+        scale = high  # the largest, when even it predicts no more than the probe's tau
+        if predicted(high) > tau:
+            for _ in range(50):  # bisection: the predicted tau grows with the scale, from 1 at 0
+                middle = (low + high) / 2
+                low, high = (middle, high) if predicted(middle) < tau else (low, middle)
+            scale = (low + high) / 2
     else:
+        at_least = np.cumsum(hist[::-1])[::-1]  # N(c >= k)
         reached = at_least[1 : drafts + 1]  # N(c >= k), k = 1 .. B - 1
         expected = float(np.sum(reached * np.asarray(drafter.accept[:drafts])))
         if drafts < 1 or expected <= 0:
