@@ -36,7 +36,7 @@ from dflax.generation import (
     prompt_bucket,
 )
 from dflax.prompts import load_prompts, with_system_prompt
-from dflax.roofline import measure_roofline, step_floor_s
+from dflax.roofline import machine_facts, measure_roofline, step_floor_s
 from dflax.target import Target, load_target
 
 BENCH_METHODS = ("ar", "dflash", "dart", "lookup", "diffuspec", "hf")
@@ -475,14 +475,15 @@ def run_bench(
         occurred before (0 = always); None = `DEFAULT_MIN_MATCH`. Lookup results record it as min_match.
 
     Returns:
-      {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "roofline",
-      "results": [...]}, one result per method and batch size with tokens_per_s (decode only), prefill_s,
-      prefill_tokens_per_s, tau, accept_hist (steps by tokens committed = accepted depth + 1),
-      block_size and tree_budget (None for ar and hf), step_s and step_vs_floor (one decode-loop
-      iteration against this machine's floor for that many rows, see dflax.roofline), and, when "ar"
-      ran too, ar_tokens_per_s, speedup and, at T=0, lossless_match (fraction of prompts token-identical
-      to ar) and first_differences (where each other output leaves ar's and the target's logits there, see
-      `dflax.divergence.first_differences`: near-ties show as gaps of a few hundredths).
+      {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "machine" (CPU model
+      and flags, devices: `dflax.roofline.machine_facts`), "roofline", "results": [...]}, one result per
+      method and batch size with tokens_per_s (decode only), prefill_s, prefill_tokens_per_s, tau, accept_hist
+      (steps by tokens committed = accepted depth + 1), block_size and tree_budget (None for ar and hf),
+      step_s and step_vs_floor (one decode-loop iteration against this machine's floor for that many rows, see
+      dflax.roofline), and, when "ar" ran too, ar_tokens_per_s, speedup and, at T=0, lossless_match (fraction
+      of prompts token-identical to ar) and first_differences (where each other output leaves ar's and the
+      target's logits there, see `dflax.divergence.first_differences`: near-ties show as gaps of a few
+      hundredths).
       dflax's results add kv_cache_bytes (the allocated target KV cache, measured from the arrays) and
       prefix_kv_bytes (the common prompt prefixes' part of it), summed over batches.
     """
@@ -632,6 +633,7 @@ def run_bench(
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "mesh": mesh,
+        "machine": machine_facts(),
         "dtype": jnp.dtype(loaded.dtype).name,
         "drafter": spec.name if spec else None,
         "draft_sampling": dataclasses.asdict(spec.proposer.draft_sampling) if spec else None,

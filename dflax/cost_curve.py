@@ -17,7 +17,6 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from dflax.decoding.decode import DecodeState, Proposer, decode_step
 from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.tree_budget import tree_commit_moments
 from dflax.models.transformer import Transformer
-from dflax.roofline import median_time
+from dflax.roofline import machine_facts, median_time
 from dflax.target import Target
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32)
@@ -212,24 +211,6 @@ def measure_cost_curve(
     return out
 
 
-def _machine() -> dict[str, Any]:
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model
-            )
-    except OSError:
-        pass
-    return {
-        "backend": jax.default_backend(),
-        "devices": [d.device_kind for d in jax.devices()],
-        "cpu": model,
-        "cpu_count": os.cpu_count(),
-        "jax": jax.__version__,
-    }
-
-
 def step_costs(
     target: Target,
     drafter,
@@ -248,7 +229,7 @@ def step_costs(
     context = 1 << max(5, (context - 1).bit_length())  # a power of two: one measurement per octave
     slots = max(slots, context + max([*candidates, *(n + 1 for n in tree_budgets)]) + 1)
     key = {
-        "machine": _machine(),
+        "machine": machine_facts(),
         "target": [target.name, str(target.dtype), str(jnp.dtype(target.cache_dtype)), repr(target.config)],
         "backend": target.module.attention_backend,
         "drafter": repr(drafter.config),

@@ -10,6 +10,8 @@ Bench figures divided by these say how far from the machine's limit a step is.
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from typing import Any
@@ -18,6 +20,34 @@ import jax
 import jax.numpy as jnp
 
 from dflax.models.layers import dot_float32
+
+# CPU features that decide how fast a bf16 or float32 product runs (AMX and AVX-512 BF16 multiply bf16
+# natively; with AVX2 alone XLA converts bf16 operands to float32 first).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def machine_facts() -> dict[str, Any]:
+    """What this process computes on: backend, devices, CPU model and its matmul-relevant flags, jax."""
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name":
+                    model = value.strip()
+                elif name.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {
+        "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()],
+        "cpu": model,
+        "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+    }
 
 
 def _weight_matrices(params) -> list[jax.Array]:

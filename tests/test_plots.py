@@ -1,4 +1,5 @@
-"""dflax.plots draws what a real bench report holds: one bar per histogram bin, one line per series."""
+"""dflax.plots draws what a real bench report holds: one bar per histogram bin, one line per series; the
+report itself names the machine it measured."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from dflax import plots
+from dflax import plots, roofline
 from dflax.bench import run_bench
 
 COST_SIZES = (1, 2, 4)
@@ -115,3 +116,12 @@ def test_bench_figure_has_every_panel_and_refuses_an_empty_report(report):
     del plain["cost_curve"]
     with pytest.raises(ValueError, match="nothing to plot"):
         plots.bench_figure(plain)
+
+
+def test_a_bench_report_names_the_machine_it_ran_on(report):
+    """Speedups on a CPU depend on its matmul units: the report says which CPU and flags it measured."""
+    machine = report["machine"]
+    assert machine["backend"] == "cpu" and machine["cpu_count"] >= 1
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    assert machine["cpu_flags"] == [flag for flag in roofline.CPU_FLAGS if flag in flags]
