@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from dflax.models.layers import dot_float32
 
 # CPU features that decide how fast a bf16 or float32 product runs (AMX and AVX-512 BF16 multiply bf16
-# natively; with AVX2 alone XLA converts bf16 operands to float32 first).
+# natively; AVX2 has no bf16 arithmetic).
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
