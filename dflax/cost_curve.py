@@ -89,7 +89,7 @@ def draft_time(target: Target, drafter, rows: int, context: int, slots: int, rep
     """Median seconds of one drafter proposal (its block size and tree budget) for `rows` rows after
     `context` tokens (a DFlash or DART drafter)."""
     proposer = drafter.proposer
-    dstate = _at_length(proposer.init_state(rows, slots, target.dtype), context)
+    dstate = _at_length(proposer.init_state(rows, slots, target.cache_dtype), context)
     state = DecodeState(
         cache=_cache_at(target, rows, slots, context),
         last_token=jnp.full((rows,), 5, jnp.int32),
@@ -127,7 +127,7 @@ def step_times(
     """
     drafting = [p for p in proposers.values() if p is not None]
     most = max((p.num_draft for p in drafting), default=0)
-    dstate = drafting[0].init_state(rows, slots, target.dtype) if drafting else None
+    dstate = drafting[0].init_state(rows, slots, target.cache_dtype) if drafting else None
     state = DecodeState(
         cache=_cache_at(target, rows, slots, context),
         last_token=jnp.full((rows,), 5, jnp.int32),

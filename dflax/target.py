@@ -34,7 +34,7 @@ class Target:
       params: {"params": ...} parameter tree.
       tokenizer: its tokenizer and chat template.
       module: the Flax module that runs it.
-      cache_dtype: dtype of its KV cache (the parameter dtype unless asked otherwise).
+      cache_dtype: dtype of its KV cache (`default_cache_dtype` of the parameters' unless asked otherwise).
       mesh: the (data, model) device mesh its parameters are sharded over (None: one device).
     """
 
@@ -76,6 +76,17 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+def default_cache_dtype(dtype: str) -> str:
+    """The KV cache dtype for parameters of `dtype`: the same, except float32 for 16-bit ones on the CPU.
+
+    XLA's CPU backend has no 16-bit dynamic slice or update: reading a chunk of a bf16 cache or writing a
+    step's keys into it converts the whole buffer to float32 and back, so every step would cost in
+    proportion to the cache's slots, empty ones included. A float32 cache holds the same values (keys
+    and values are projected in `dtype` and widen exactly), at twice the memory.
+    """
+    return "float32" if jax.default_backend() == "cpu" and dtype in ("bfloat16", "float16") else dtype
+
+
 def load_target(
     name_or_path: str | Path,
     dtype: str | None = None,
@@ -91,8 +102,9 @@ def load_target(
       dtype: "float32", "bfloat16" or "float16"; None picks float32 on CPU and bfloat16 on TPU/GPU.
       attention_backend: "auto", "chunked", "reference", "pallas", "pallas_tpu", "pallas_gpu" or
         "pallas_interpret" (see `dflax.models.attention.AttentionConfig`).
-      cache_dtype: KV cache dtype, one of the dtype names; None = `dtype` (bfloat16 on TPU/GPU). A
-        bfloat16 cache under a float32 model halves the cache's memory and reads.
+      cache_dtype: KV cache dtype, one of the dtype names; None = `dtype`, except float32 for a 16-bit
+        `dtype` on the CPU (`default_cache_dtype`). A bfloat16 cache under a float32 model halves the
+        cache's memory (on TPU/GPU also its reads).
       mesh: shard over a device mesh: a `dflax.sharding.make_mesh` Mesh or "data=D,model=M" (the first
         D * M devices). Parameters split over `model` by `dflax.sharding.rules`, batch rows over `data`;
         generation then runs on the mesh and gives the one-device tokens. None: one device.
@@ -106,7 +118,7 @@ def load_target(
       CheckpointError: for tensors that do not fit the config.
     """
     dtype = dtype or default_dtype()
-    cache_dtype = cache_dtype or dtype
+    cache_dtype = cache_dtype or default_cache_dtype(dtype)
     for name, value in (("dtype", dtype), ("cache_dtype", cache_dtype)):
         if value not in _DTYPES:
             raise ValueError(f"{name} {value!r} unknown; choose one of {', '.join(_DTYPES)}")

@@ -70,6 +70,11 @@ class KVCache:
         return self.k[0].shape[2]
 
     @property
+    def dtype(self) -> jnp.dtype:
+        """dtype its keys and values are stored in (`Target.cache_dtype`)."""
+        return self.k[0].dtype
+
+    @property
     def positions(self) -> jax.Array:
         """[B] int32 the absolute position of each row's next token (its shared prefix included)."""
         return self.lengths if self.shared is None else self.shared.row_offsets + self.lengths

@@ -166,7 +166,7 @@ def prefill(
         taps = tuple(packing.unpack(tap[0]) for tap in taps)  # [B, P, D] each
     drafter_state = None
     if proposer:
-        drafter_state = proposer.init_state(b, cache.max_len, hidden.dtype)
+        drafter_state = proposer.init_state(b, cache.max_len, cache.dtype)
         drafter_state = proposer.observe(
             drafter_params, drafter_state, prompt_tokens, taps, positions, prompt_lens
         )

@@ -170,7 +170,7 @@ def prefill_shared(
 
     drafter_state = None
     if proposer:  # the drafter keeps its own per-row context: the prefix, then the row's own part
-        drafter_state = proposer.init_state(b, length + cache.max_len, hidden.dtype)
+        drafter_state = proposer.init_state(b, length + cache.max_len, cache.dtype)
         row_prefix = lambda x: x[layout.row_group]  # noqa: E731  [G, ...] -> [B, ...]
         drafter_state = proposer.observe(
             drafter_params, drafter_state, row_prefix(prefix_tokens), tuple(map(row_prefix, prefix_taps)),

@@ -17,6 +17,7 @@ from dflax.models.config import ModelConfig
 from dflax.models.layers import GatedMLP, Linear, RMSNorm, dot_float32
 from dflax.models.packing import Packing
 from dflax.sharding.embedding import take_rows
+from pallas_kernels import bits_slicing
 
 
 def attention_config(config: ModelConfig, layer_idx: int, backend: str = "auto") -> AttentionConfig:
@@ -230,7 +231,7 @@ class Transformer(nn.Module):
             weight = (
                 self.embed_tokens.weight if tied else self.lm_head.variables["params"]["weight"]
             )  # [V, D]
-            out = dot_float32(hidden, jnp.take(weight, vocab_ids, axis=0))
+            out = dot_float32(hidden, bits_slicing.take(weight, vocab_ids, axis=0))
         elif tied:
             out = self.embed_tokens.attend(hidden)
         else:

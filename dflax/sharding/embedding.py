@@ -15,23 +15,25 @@ from jax.sharding import PartitionSpec
 
 from dflax.sharding.attention import active_mesh
 from dflax.sharding.mesh import MODEL
+from pallas_kernels import bits_slicing
 
 
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """table[ids]: [V, D] and int ids [...] -> [..., D], without gathering a vocabulary-split table.
 
     With no mesh active, or a vocabulary that `model` does not divide (the table is then whole on every
-    device, see dflax.sharding.rules), this is `jnp.take(table, ids, axis=0)`.
+    device, see dflax.sharding.rules), this is `jnp.take(table, ids, axis=0)`. A 16-bit table is looked up
+    in its bits, so that XLA's CPU backend does not widen the whole table (`pallas_kernels.bits_slicing`).
     """
     mesh = active_mesh()
     if mesh is None or mesh.shape[MODEL] == 1 or table.shape[0] % mesh.shape[MODEL]:
-        return jnp.take(table, ids, axis=0)
+        return bits_slicing.take(table, ids, axis=0)
 
     def per_device(rows, ids):
         held = rows.shape[0]
         local = ids - jax.lax.axis_index(MODEL) * held
         inside = (local >= 0) & (local < held)
-        found = jnp.take(rows, jnp.clip(local, 0, held - 1), axis=0)  # [..., D]
+        found = bits_slicing.take(rows, jnp.clip(local, 0, held - 1), axis=0)  # [..., D]
         return jax.lax.psum(jnp.where(inside[..., None], found, jnp.zeros_like(found)), MODEL)
 
     return jax.shard_map(

@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import bits_slicing
 from pallas_kernels.tree_attention.reference import (
     MASK_VALUE,
     check_inputs,
@@ -143,8 +144,8 @@ def _chunk_loop(k_cache, v_cache, cache_len, positions, sliding_window, c, chunk
 
     def body(i, state):
         start = jnp.minimum(i * c, s - c)
-        kc = jax.lax.dynamic_slice_in_dim(k_cache, start, c, axis=2).astype(jnp.float32)  # [B, K, C, H]
-        vc = jax.lax.dynamic_slice_in_dim(v_cache, start, c, axis=2).astype(jnp.float32)
+        kc = bits_slicing.dynamic_slice_in_dim(k_cache, start, c, axis=2).astype(jnp.float32)  # [B, K, C, H]
+        vc = bits_slicing.dynamic_slice_in_dim(v_cache, start, c, axis=2).astype(jnp.float32)
         slots = start + jnp.arange(c, dtype=jnp.int32)  # [C]
         filled = (slots[None, :] >= i * c) & (slots[None, :] < cache_len[:, None])  # [B, C]
         vis = filled[:, None, :]  # [B, 1 or T, C]

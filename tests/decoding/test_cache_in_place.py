@@ -35,6 +35,12 @@ def cache_copies(hlo: str, config) -> int:
     return len(re.findall(rf"= {shape}\S* copy\(%(?!(wrapped_)?broadcast)", hlo))
 
 
+def widened(hlo: str, shape: tuple[int, ...]) -> int:
+    """Number of instructions that convert a whole array of `shape` to float32 (plain or as a fusion)."""
+    dims = re.escape(",".join(map(str, shape)))
+    return len(re.findall(rf"= f32\[{dims}\]\S* (?:convert\(|fusion\(.*calls=%wrapped_convert)", hlo))
+
+
 def weight_copies(hlo: str, params) -> int:
     """Number of copies (plain or as a fusion) whose result has the shape of a 2-D weight or of its
     transpose."""
@@ -98,3 +104,20 @@ def test_bf16_prefill_and_decode_loop_do_not_copy_a_weight(tiny_checkpoint, tree
     for hlo in compiled_programs(target, drafter):
         assert weight_copies(hlo, target.params) == 0
         assert weight_copies(hlo, drafter.params) == 0
+
+
+@pytest.mark.parametrize("tree_budget", [0, 6])
+def test_bf16_target_never_widens_its_cache_or_embedding_table(tiny_checkpoint, tree_budget):
+    """XLA's CPU backend slices, updates and gathers a bf16 array by converting all of it to float32: a bf16
+    KV cache would be widened whole in every layer of every step, and the embedding table once per call.
+    On the CPU a bf16 target's cache is float32 (`default_cache_dtype`) and embedding rows are looked up
+    in their bits, so no program converts a whole cache buffer or the table, and the cache stays in place."""
+    target = dflax.load_target(str(tiny_checkpoint("qwen3")[0]), dtype="bfloat16")
+    assert target.cache_dtype == jnp.float32
+    drafter = dflax.load_drafter("untrained", target, block_size=4).with_tree_budget(tree_budget)
+    cfg, drafter_cfg = target.config, drafter.proposer.module.config.layers
+    for hlo in compiled_programs(target, drafter):
+        for config in (cfg, drafter_cfg):
+            assert cache_copies(hlo, config) == 0
+            assert widened(hlo, (BATCH, config.num_kv_heads, SLOTS, config.head_dim)) == 0
+        assert widened(hlo, (cfg.vocab_size, cfg.hidden_size)) == 0

@@ -1,0 +1,35 @@
+"""Dynamic slices and gathers of 16-bit float arrays that XLA's CPU backend does not widen to float32.
+
+XLA's CPU backend has no bf16 (or fp16) dynamic-slice or gather: it converts the whole operand to
+float32, slices that and converts the slice back. For a loop-invariant operand the whole-array convert is
+hoisted out of the loop: reading one chunk of a bf16 KV cache per iteration writes a float32 copy of every
+slot, empty ones included, and looking up one token's embedding writes a float32 copy of the table (113 MB
+for SmolLM2) once per program call. Slicing the array's bits (uint16) gives bit for bit the same values;
+XLA still materializes the bits view as a same-size copy of the operand (also hoisted), but that copy
+writes half the bytes of the float32 one and needs no conversion.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype in _NARROW else x
+
+
+def _values(bits: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits, dtype) if jnp.dtype(dtype) in _NARROW else bits
+
+
+def dynamic_slice_in_dim(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
+    """`jax.lax.dynamic_slice_in_dim`, on x's bits when x is bf16/fp16."""
+    return _values(jax.lax.dynamic_slice_in_dim(_bits(x), start, size, axis=axis), x.dtype)
+
+
+def take(x: jax.Array, indices: jax.Array, axis: int = 0) -> jax.Array:
+    """`jnp.take(x, indices, axis)`, on x's bits when x is bf16/fp16 (an embedding lookup)."""
+    return _values(jnp.take(_bits(x), indices, axis=axis), x.dtype)
