@@ -4,6 +4,8 @@ A copy of every layer's K and V per step (what a write racing a read of the old 
 more than the attention itself on a CPU, and grows with the number of slots, not with the filled length.
 A transposed copy of a weight (what XLA's CPU backend gives a bf16 product whose left operand has more
 than two axes) is hoisted out of the loop but paid on every call: a pass over every weight per batch.
+A float32 conversion of a whole bf16 cache buffer or embedding table (XLA's CPU backend's way to slice,
+update or gather bf16) costs the same kind of pass.
 """
 
 from __future__ import annotations
