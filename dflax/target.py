@@ -34,7 +34,7 @@ class Target:
       params: {"params": ...} parameter tree.
       tokenizer: its tokenizer and chat template.
       module: the Flax module that runs it.
-      cache_dtype: dtype of its KV cache (`default_cache_dtype` of the parameters' unless asked otherwise).
+      cache_dtype: dtype of its KV cache (`default_cache_dtype` of the parameters' dtype, unless asked).
       mesh: the (data, model) device mesh its parameters are sharded over (None: one device).
     """
 
