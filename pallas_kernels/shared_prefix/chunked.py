@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from pallas_kernels.shared_prefix.layout import GroupLayout
 from pallas_kernels.shared_prefix.pallas import combine_tiles, prefix_tiles
 from pallas_kernels.shared_prefix.split import split_prefix_state
-from pallas_kernels.tree_attention.chunked import _prefix, _prefix_single_query, online_update
+from pallas_kernels.tree_attention.chunked import _prefix, online_update
 from pallas_kernels.tree_attention.ops import tree_attention
 from pallas_kernels.tree_attention.reference import MASK_VALUE
 
@@ -94,8 +94,7 @@ def shared_prefix_attention(
     if k_cache.shape[2]:
         cache_len = jnp.clip(cache_len.astype(jnp.int32), 0, k_cache.shape[2])
         positions = jnp.zeros((b, t), jnp.int32)  # positions only matter to sliding windows (none here)
-        own = _prefix_single_query if t == 1 else _prefix
-        state = own(qf, k_cache, v_cache, cache_len, positions, None, lambda s: s, state)
+        state = _prefix(qf, k_cache, v_cache, cache_len, positions, None, lambda s: s, state)
     m, denom, acc = state
     kn, vn = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
     outs = []

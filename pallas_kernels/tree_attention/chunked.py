@@ -13,7 +13,7 @@ Masking is by `where`, never by arithmetic on stale slots: a stale slot may hold
 and its value is replaced by zero before it meets a probability.
 
 Glossary of einsum letters: B batch, T new (query) tokens, U new key tokens, C slots of one chunk,
-K kv heads, G query heads per kv head, H head_dim.
+K kv heads, G query heads per kv head, M = T x G queries per kv head, H head_dim.
 """
 
 from __future__ import annotations
@@ -108,8 +108,7 @@ def tree_attention_chunked(
         jnp.zeros((b, t, kv, g, h), jnp.float32),  # running numerator
     )
     if s:
-        prefix = _prefix_single_query if t == 1 else _prefix
-        state = prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, state)
+        state = _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, state)
     m, denom, acc = state
 
     new_vis = new_token_visibility(tree_mask, positions, sliding_window)  # [B, T, U]
@@ -158,29 +157,33 @@ def _chunk_loop(k_cache, v_cache, cache_len, positions, sliding_window, c, chunk
 
 
 def _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, state):
-    """Online softmax of queries qf [B, T, K, G, H] over the filled cache, chunk by chunk."""
+    """Online softmax of queries qf [B, T, K, G, H] over the filled cache, chunk by chunk.
+
+    The loop works head-major: each kv head's T * G queries form one row block M, so both products are
+    batched matmuls over (row, kv head) with the batch axes leading, the form XLA's CPU backend hands to
+    its matmul library (a [B, T, K, G, C] layout made it emit a slow generic dot for the value mix).
+    """
+    b, t, kv, g, h = qf.shape
+
+    def to_rows(x):  # [B, T, K, G, ...] -> [B, K, M, ...]
+        return jnp.moveaxis(x, 1, 2).reshape(b, kv, t * g, *x.shape[4:])
+
+    def from_rows(x):  # [B, K, M, ...] -> [B, T, K, G, ...]
+        return jnp.moveaxis(x.reshape(b, kv, t, g, *x.shape[3:]), 2, 1)
+
+    qm = to_rows(qf)  # [B, K, M, H]
 
     def chunk_body(state, kc, vc, vis):
-        scores = cap(jnp.einsum("BTKGH,BKCH->BTKGC", qf, kc, precision=_HI))
-        return online_update(state, scores, vis[:, :, None, None, :], vc, "BTKGC,BKCH->BTKGH")
+        scores = cap(jnp.einsum("BKMH,BKCH->BKMC", qm, kc, precision=_HI))
+        c = vis.shape[-1]
+        vis = jnp.broadcast_to(vis[:, None, :, None, :], (b, 1, t, g, c)).reshape(b, 1, t * g, c)
+        return online_update(state, scores, vis, vc, "BKMC,BKCH->BKMH")
 
-    c = chunk_size(k_cache.shape[2], positions.shape[1])
-    return _chunk_loop(k_cache, v_cache, cache_len, positions, sliding_window, c, chunk_body, state)
-
-
-def _prefix_single_query(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, state):
-    """`_prefix` for one query per row (a decode step): the state and scores drop the query axis, so both
-    products are batched matmuls over (row, kv head) on head-major chunks, and chunks are 32 slots."""
-
-    def chunk_body(state, kc, vc, vis):
-        scores = cap(jnp.einsum("BKGH,BKCH->BKGC", qf[:, 0], kc, precision=_HI))
-        return online_update(state, scores, vis[:, :, None, :], vc, "BKGC,BKCH->BKGH")
-
-    c = chunk_size(k_cache.shape[2], 1)
-    m, denom, acc = _chunk_loop(
-        k_cache, v_cache, cache_len, positions, sliding_window, c, chunk_body, tuple(x[:, 0] for x in state)
+    c = chunk_size(k_cache.shape[2], t)
+    state = _chunk_loop(
+        k_cache, v_cache, cache_len, positions, sliding_window, c, chunk_body, tuple(map(to_rows, state))
     )
-    return m[:, None], denom[:, None], acc[:, None]
+    return tuple(map(from_rows, state))
 
 
 def online_update(state, scores, visible, values, mix):
