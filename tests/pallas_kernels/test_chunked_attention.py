@@ -22,7 +22,7 @@ TOL = dict(atol=2e-5, rtol=2e-5)
 @pytest.mark.parametrize(
     "n, cache_lens, max_len, heads, kv_heads, tree, window, cap",
     [
-        (1, [0, 1, 63, 64, 65, 200], 200, 3, 1, "chain", None, None),  # decode: chunks of 32, S % 32 != 0
+        (1, [0, 1, 127, 128, 129, 300], 300, 3, 1, "chain", None, None),  # decode, S % 128 != 0
         (1, [127, 128, 129], 130, 12, 3, "chain", None, None),  # GQA 4, edges of chunk 2
         (1, [5, 150, 190], 192, 4, 4, "chain", 20, 3.0),  # GQA 1: window far from slot 0, cap
         (1, [40], 40, 6, 2, "chain", None, None),  # a cache smaller than one chunk
@@ -91,7 +91,7 @@ def test_chunked_bf16_inputs_accumulate_in_fp32():
 def test_chunked_reads_only_the_filled_chunks(monkeypatch):
     """The prefix loop runs over the chunks that hold filled, in-window slots: its trip count follows the
     longest row (and the window), not the number of cache slots."""
-    c = chunk_size(1024, 1)
+    c = chunk_size(1024)
     trips = []
     original = jax.lax.fori_loop
 
