@@ -39,9 +39,10 @@ _HI = jax.lax.Precision.HIGHEST
 def chunk_size(slots: int) -> int:
     """Cache slots per chunk: small chunks waste little past the filled length, large ones loop less.
 
-    128 for every query count, never more than the cache has. On a 2-core CPU with the head-major loop,
-    128 was the fastest of 32-256 for verify blocks and prompts and, at batch 8, for a decode step too
-    (a plain bf16 SmolLM2 step: 67 against 78 ms with 32-slot chunks; the same at batch 1).
+    128 for every query count, never more than the cache has. On a 2-core CPU, 128 was the fastest of
+    16-128 for verify blocks and prompts (batch 64), and with the head-major loop of 32-256 for verify
+    blocks and, at batch 8, for a decode step too (a plain bf16 SmolLM2 step: 67 against 78 ms with
+    32-slot chunks; the same at batch 1).
     """
     return min(slots, 128)
 
