@@ -174,14 +174,13 @@ def _prefix(qf, k_cache, v_cache, cache_len, positions, sliding_window, cap, sta
         return jnp.moveaxis(x.reshape(b, kv, t, g, *x.shape[3:]), 2, 1)
 
     qm = to_rows(qf)  # [B, K, M, H]
+    c = chunk_size(k_cache.shape[2])
 
     def chunk_body(state, kc, vc, vis):
         scores = cap(jnp.einsum("BKMH,BKCH->BKMC", qm, kc, precision=_HI))
-        c = vis.shape[-1]
         vis = jnp.broadcast_to(vis[:, None, :, None, :], (b, 1, t, g, c)).reshape(b, 1, t * g, c)
         return online_update(state, scores, vis, vc, "BKMC,BKCH->BKMH")
 
-    c = chunk_size(k_cache.shape[2])
     state = _chunk_loop(
         k_cache, v_cache, cache_len, positions, sliding_window, c, chunk_body, tuple(map(to_rows, state))
     )
