@@ -454,8 +454,8 @@ def run_bench(
         train` exported) without tree budgets, else its trained block size; lookup: 8.
       tree_budgets: tree budgets to run for dflash, dart and lookup (0 = a chain; without them dflash and
         lookup decode chains, dart without measured acceptance DART's published 60 nodes).
-      draft_sampling: "greedy" (delta rule), "sample" (ratio rule) or "auto" (greedy at temperature 0 and
-        with tree budgets, else sample; see `DraftSampling.for_target`).
+      draft_sampling: "greedy" (delta rule), "sample" (block verification) or "auto" (greedy at temperature 0
+        and with tree budgets, else sample; see `DraftSampling.for_target`).
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
       console: optional rich console for progress.

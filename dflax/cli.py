@@ -142,8 +142,8 @@ def _load_drafter(
 
 
 _DRAFT_SAMPLING_HELP = (
-    "dflash: greedy (argmax drafts, delta rule), sample (drafts drawn from the drafter's q, ratio rule) or "
-    "auto: greedy at --temperature 0 and with a draft tree, sample otherwise"
+    "dflash: greedy (argmax drafts, delta rule), sample (drafts drawn from the drafter's q, block "
+    "verification) or auto: greedy at --temperature 0 and with a draft tree, sample otherwise"
 )
 _MIN_MATCH_HELP = (
     "lookup: verify drafts only in steps where some row's last N tokens (0..3) occurred before, else take a "

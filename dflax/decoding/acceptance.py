@@ -6,8 +6,11 @@ design/verification.md). The target's distribution always comes from `sampling.t
 - `accept_delta`: drafts chosen deterministically (argmax of parallel marginals, top-k, beam). The draft
   is a one-hot proposal: sample y_i from the target at every position, accept while draft == y, then emit
   y at the first mismatch. Exact at every temperature (DFlash's verification rule on a chain).
-- `accept_ratio`: drafts sampled from the drafter's q (speculative sampling; Leviathan et al. 2023,
-  Chen et al. 2023). Exact only when each draft really was drawn from the q passed in.
+- `accept_block`: drafts sampled from the drafter's q, verified as one block (block verification; Sun et
+  al., ICLR 2025). It decides how many drafts to keep from the whole block's likelihood ratios, so a draft
+  that token-by-token speculative sampling (Leviathan et al. 2023, Chen et al. 2023) would reject can be
+  kept when the drafts after it make up for it. Exact only when each draft really was drawn from the q
+  passed in; never fewer tokens per step in expectation than the token-by-token rule.
 
 All rules take the target's logits for the verified block, where position i scores the token that should
 follow the committed prefix and the first i drafts: logits[:, i] scores draft i, logits[:, T] scores the
@@ -101,49 +104,62 @@ def accept_delta(
     return _accept_matching(draft_tokens, sample(key, target_logits, params))
 
 
-def accept_ratio(
+def accept_block(
     key: jax.Array,
     draft_tokens: jax.Array,
     draft_log_probs: jax.Array,
     target_logits: jax.Array,
     params: SamplingParams,
 ) -> Acceptance:
-    """Speculative sampling for drafts sampled from the drafter's distribution q.
+    """Block verification of drafts sampled from the drafter's distribution q.
 
-    Accepts draft d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emits a
-    sample of normalise(max(0, p_i - q_i)); if every draft is accepted, emits a bonus sample of p_T.
-    p is the target's distribution under `params`; at temperature 0 it is one-hot and the result is
-    greedy verification.
+    With p_i and q_i the target's and the drafter's distributions at position i (q_T = 0 at the bonus
+    position) and d_1..d_T the drafts, let
+      w_0 = 1,  w_j = min(1, w_{j-1} p_{j-1}(d_j) / q_{j-1}(d_j)),
+      r_j = max(0, w_j p_j - q_j) (unnormalised, over the vocabulary),  rho_j = sum(r_j),
+      h_j = rho_j / (rho_j + 1 - w_j) (0 where rho_j = 0),  for j = 1..T.
+    With independent u_j ~ U[0, 1), the rule keeps the longest prefix j with u_j < h_j (none: j = 0) and
+    emits a sample of normalise(r_j) after it; r_0 = max(0, p_0 - q_0) is the token-by-token rule's
+    residual and r_T = w_T p_T its bonus. For T = 1 it is exactly speculative sampling. p is the target's
+    distribution under `params`; at temperature 0 it is one-hot and the result is greedy verification.
 
     Args:
       key: one PRNG key, or [B] row keys.
-      draft_tokens: [B, T] int drafts; d_i must have been sampled from q_i given the drafts before it.
+      draft_tokens: [B, T] int drafts; d_i must have been sampled from q_i (given the drafts before it, if
+        the drafter conditions on them).
       draft_log_probs: [B, T, V] log q_i, the drafter's distribution that d_i was sampled from.
       target_logits: [B, T + 1, V] target logits for the block.
       params: the target's sampling settings.
 
     Returns:
-      The accepted drafts followed by the residual sample at the first rejection (or the bonus).
+      The kept drafts followed by the residual sample after them.
     """
     key_accept, key_residual = split_keys(key)
     draft_tokens = draft_tokens.astype(jnp.int32)
     p = jnp.exp(target_log_probs(target_logits, params))  # [B, T + 1, V]
     q = jnp.exp(draft_log_probs.astype(jnp.float32))  # [B, T, V]
+    q = jnp.pad(q, ((0, 0), (0, 1), (0, 0)))  # [B, T + 1, V]: no draft at the bonus position
     p_draft = jnp.take_along_axis(p[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]  # [B, T]
-    q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]  # [B, T]
-    u = uniform(key_accept, draft_tokens.shape)  # [B, T], in [0, 1)
-    # u < p / q, written without the division so q == 0 cannot produce NaN.
-    num_accepted = _accepted_prefix_length(u * q_draft < p_draft)
+    q_draft = jnp.take_along_axis(q[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]  # [B, T]
 
-    # Only the position at num_accepted emits a token, so only its distribution is drawn from (one draw
-    # over the vocabulary per row, not T + 1). The bonus position has no draft: q = 0 there, residual = p.
+    weights = [jnp.ones(draft_tokens.shape[:1], jnp.float32)]  # w_0, [B]
+    for i in range(draft_tokens.shape[1]):
+        scaled = weights[-1] * p_draft[:, i]
+        # min(1, scaled / q) without the division where it is 1, so q == 0 cannot produce NaN.
+        weights.append(jnp.where(scaled >= q_draft[:, i], 1.0, scaled / jnp.maximum(q_draft[:, i], 1e-30)))
+    w = jnp.stack(weights, axis=1)  # [B, T + 1]
+    residual = jnp.maximum(w[..., None] * p - q, 0.0)  # [B, T + 1, V]
+    mass = jnp.sum(residual, axis=-1)  # [B, T + 1]
+    stop = jnp.where(mass > 0, mass / jnp.maximum(mass + 1.0 - w, 1e-30), 0.0)[:, 1:]  # h_1..h_T, [B, T]
+    u = uniform(key_accept, draft_tokens.shape)  # [B, T], in [0, 1)
+    position = jnp.arange(1, draft_tokens.shape[1] + 1)  # [T]
+    num_accepted = jnp.max(jnp.where(u < stop, position, 0), axis=1)  # [B]
+
     at = num_accepted[:, None, None]  # [B, 1, 1]
+    next_residual = jnp.take_along_axis(residual, at, axis=1)[:, 0]  # [B, V]
+    # A zero residual is only reached with probability 0 (p == q at position 0); p keeps the draw defined.
     p_next = jnp.take_along_axis(p, at, axis=1)[:, 0]  # [B, V]
-    q_next = jnp.take_along_axis(q, jnp.minimum(at, q.shape[1] - 1), axis=1)[:, 0]  # [B, V]
-    q_next = jnp.where(at[:, 0] < q.shape[1], q_next, 0.0)
-    residual = jnp.maximum(p_next - q_next, 0.0)  # [B, V], unnormalised
-    # An all-zero residual means p == q, where rejection has probability 0; p keeps the draw well defined.
-    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_next)
-    next_token = categorical(key_residual, jnp.where(residual > 0, jnp.log(residual), NEG_INF))  # [B]
+    next_residual = jnp.where(jnp.sum(next_residual, axis=-1, keepdims=True) > 0, next_residual, p_next)
+    next_token = categorical(key_residual, jnp.where(next_residual > 0, jnp.log(next_residual), NEG_INF))
     next_tokens = jnp.broadcast_to(next_token[:, None], p.shape[:2])  # [B, T + 1], read at num_accepted
     return commit_tokens(draft_tokens, num_accepted, next_tokens)

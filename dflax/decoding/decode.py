@@ -3,8 +3,9 @@
 Plain autoregressive decoding is this loop with a drafter that proposes nothing: the verified block is
 just the last committed token, and the acceptance rule commits the one token sampled from the target.
 Speculative methods plug a `Proposer` into the same step. A proposer returns a chain (verified causally by
-the delta or ratio rule) or a `DraftTree` (verified under its ancestor mask by the tree delta rule, the
-accepted path's K/V then gathered into contiguous slots; see dflax.decoding.tree). Either way the step
+the delta rule, or by block verification for sampled drafts) or a `DraftTree` (verified under its ancestor
+mask by the tree delta rule, the accepted path's K/V then gathered into contiguous slots; see
+dflax.decoding.tree). Either way the step
 commits a chain of tokens, and the drafter observes the committed tokens with their target features.
 
 Randomness is per row: row r at output index i uses fold_in(row_key[r], i), so a prompt's output does
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflax.decoding.acceptance import Acceptance, accept_delta, accept_ratio
+from dflax.decoding.acceptance import Acceptance, accept_block, accept_delta
 from dflax.decoding.cache import KVCache, write_rows
 from dflax.decoding.sampling import SamplingParams, sample, split_keys
 from dflax.decoding.tree import (
@@ -247,7 +248,8 @@ class Verified:
 
 
 def _verify_chain(model, params, state, drafts, draft_log_probs, sampling, keys, taps_wanted) -> Verified:
-    """Verifies the chain [last token, drafts] [B, n + 1] with a causal mask (delta or ratio rule)."""
+    """Verifies the chain [last token, drafts] [B, n + 1] with a causal mask (delta rule, or block
+    verification for sampled drafts)."""
     n = drafts.shape[1]
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, n + 1]
     positions = state.cache.positions[:, None] + jnp.arange(n + 1, dtype=jnp.int32)  # [B, n + 1]
@@ -257,7 +259,7 @@ def _verify_chain(model, params, state, drafts, draft_log_probs, sampling, keys,
     if draft_log_probs is None:
         acc = accept_delta(keys, drafts, logits, sampling)
     else:
-        acc = accept_ratio(keys, drafts, draft_log_probs, logits, sampling)
+        acc = accept_block(keys, drafts, draft_log_probs, logits, sampling)
     return Verified(cache, acc, block, taps, positions)
 
 

@@ -100,7 +100,7 @@ def load_drafter(
         initialised drafter at the target's width (tau near 1; for tests).
       target: the loaded target; the drafter shares its embedding and LM head.
       block_size: B at decode time; default the block size the drafter was trained with.
-      draft_sampling: greedy drafts (delta rule, default) or sampled drafts (ratio rule).
+      draft_sampling: greedy drafts (delta rule, default) or sampled drafts (block verification).
       seed: initialisation seed for "untrained".
 
     Raises:

@@ -240,7 +240,7 @@ DRAFT_SAMPLING_MODES = ("auto", "greedy", "sample")
 @dataclasses.dataclass(frozen=True)
 class DraftSampling:
     """How drafts are chosen: "greedy" (argmax, verified by the delta rule at any temperature) or
-    "sample" (drawn from the drafter's q at `temperature`, verified by the ratio rule)."""
+    "sample" (drawn from the drafter's q at `temperature`, kept or not by block verification)."""
 
     mode: str = "greedy"
     temperature: float = 1.0
@@ -277,7 +277,7 @@ class DFlashProposer:
       module: the drafter module.
       target: the target module whose embedding and LM head the drafter shares.
       block_size: B used at decode time (<= the trained block size works; 8 and 16 are typical).
-      draft_sampling: greedy drafts (delta rule) or sampled drafts (ratio rule).
+      draft_sampling: greedy drafts (delta rule) or sampled drafts (block verification).
       draft_vocab: [V'] int32 target token ids the drafter reads out (see dflax.drafters.draft_vocab);
         None = the whole vocabulary.
       tree_budget: 0 proposes the block's argmax chain; N > 0 proposes a best-first tree of N nodes over
@@ -382,7 +382,7 @@ class DFlashProposer:
         q_params = SamplingParams.make(self.draft_sampling.temperature)
         log_q = target_log_probs(logits, q_params)  # [B, n, V']
         drafts = self.token_ids(categorical(keys, log_q))
-        if self.draft_vocab is not None:  # the ratio rule reads q over the whole vocabulary: 0 outside
+        if self.draft_vocab is not None:  # verification reads q over the whole vocabulary: 0 outside
             full = jnp.full(log_q.shape[:-1] + (self.target.config.vocab_size,), NEG_INF, log_q.dtype)
             log_q = full.at[..., jnp.asarray(self.draft_vocab)].set(log_q)  # [B, n, V]
         return drafts, log_q

@@ -249,8 +249,8 @@ def token_scores(
       (ce [R, n] float32, meaningless where labels is -1; rank [R, n] int32: the label's place among the
       drafter's candidates, 0 = its argmax (see `label_rank`); kl [R, n] float32 KL(p || q) of the
       target's p and the drafter's q over the V' tokens; overlap [R, n] sum min(p, q), the chance that
-      the ratio rule accepts a draft sampled from q at temperature 1; kl and overlap None without
-      `target_readout`).
+      token-by-token speculative sampling keeps a draft sampled from q at temperature 1; kl and overlap
+      None without `target_readout`).
     """
     rows, n = labels.shape
     chunks = -(-rows // chunk_rows)
@@ -365,7 +365,8 @@ def acceptance(stats: BlockStats) -> tuple[jax.Array, jax.Array]:
 
 
 def sampled_acceptance(stats: BlockStats) -> tuple[jax.Array, jax.Array]:
-    """The ratio rule's acceptance at temperature 1 (target and drafts) per position, and its tau.
+    """Token-by-token speculative sampling's acceptance at temperature 1 (target and drafts) per position,
+    and its tau (block verification, which decodes, keeps at least as many drafts).
 
     acc_k = the mean over valid blocks of sum_x min(p_k(x), q_k(x)), p_k the target's next-token
     distribution after the sequence's own tokens and q_k the drafter's (0 when the loss did not read the

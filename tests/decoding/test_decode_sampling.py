@@ -4,7 +4,7 @@ The toy target of `toy_target` (a random 2-layer Llama over 6 tokens) has 6 ** 4
 whose exact probabilities come from its logits and the float64 definition in `sampling_definition`, not
 from dflax's sampling code. Two drafters read the target itself, so drafts are often accepted and every
 acceptance length occurs:
-- "sampled": drafts drawn from the target at drafter temperature 0.6, sent with that q (ratio rule);
+- "sampled": drafts drawn from the target at drafter temperature 0.6, sent with that q (block verification);
 - "argmax": the target's greedy continuation, sent without q (delta rule).
 The same check rejects a drafter that reports q at another temperature than it drew its drafts at, and
 tells the sampled distribution apart from the one that filtering before the temperature would define.
@@ -43,7 +43,7 @@ class TargetDrafter:
     Attributes:
       module: the target module (its parameters arrive as `target_params`).
       temperature: 0 drafts the target's argmax chain (no q: delta rule); > 0 samples each draft from
-        softmax(logits / temperature) and returns log q (ratio rule).
+        softmax(logits / temperature) and returns log q (block verification).
       q_temperature: the temperature of the q it reports; None = `temperature`, the true q.
     """
 
@@ -113,7 +113,7 @@ def test_loop_with_often_accepted_drafts_is_lossless(toy, samples, drafter, name
 
 def test_q_at_another_temperature_than_the_drafts_is_caught(toy):
     """WRONG: drafts drawn at DRAFT_TEMPERATURE, q reported at 1.0 (what a proposer that forgot to apply
-    its temperature to q would send). The ratio rule is then not lossless, and the check says so."""
+    its temperature to q would send). Block verification is then not lossless, and the check says so."""
     settings = SETTINGS["t1"]
     proposer = TargetDrafter(toy.module, DRAFT_TEMPERATURE, q_temperature=1.0)
     observed, _ = sample_outcomes(toy, proposer, settings)

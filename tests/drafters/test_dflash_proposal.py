@@ -1,10 +1,10 @@
-"""`DFlashProposer.propose` sends the ratio rule the q its drafts were really drawn from.
+"""`DFlashProposer.propose` sends verification the q its drafts were really drawn from.
 
-The ratio rule is lossless only if each draft is a sample of the q sent with it. For one decode state, 20000
-draws of an untrained drafter at drafter temperature 0.6 (with and without a pruned draft vocabulary) must
-follow exp(log q) at every draft position (chi-square), and q must be the tempered softmax of the drafter's
-logits by the float64 definition. Proposers that send a wrong q (the q at temperature 1 while drawing at
-0.6; the draft-vocabulary q scattered one id off) fail the same check.
+Block verification is lossless only if each draft is a sample of the q sent with it. For one decode state,
+20000 draws of an untrained drafter at drafter temperature 0.6 (with and without a pruned draft vocabulary)
+must follow exp(log q) at every draft position (chi-square), and q must be the tempered softmax of the
+drafter's logits by the float64 definition. Proposers that send a wrong q (the q at temperature 1 while
+drawing at 0.6; the draft-vocabulary q scattered one id off) fail the same check.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Speculative sampling through the whole decode loop matches the target's own distribution.
 
-A tiny target with top-k 3 has at most 27 possible 3-token continuations, so their exact probabilities
-are computable (float64, from the definition in sampling_definition). 4096 generations with an untrained
-(deliberately poor) DFlash drafter, verified by the delta rule (greedy drafts) and by the ratio rule (drafts
-sampled from q at drafter temperature 0.7), must match them (chi-square). Drafts are rarely accepted here;
-test_dflash_proposal checks the q that sampled drafts are sent with, and tests/decoding/test_decode_sampling
-the loop with drafts that are often accepted.
+A tiny target with top-k 3 has at most 27 possible 3-token continuations, so their exact probabilities are
+computable (float64, from the definition in sampling_definition). 4096 generations with an untrained
+(deliberately poor) DFlash drafter, verified by the delta rule (greedy drafts) and by block verification
+(drafts sampled from q at drafter temperature 0.7), must match them (chi-square). Drafts are rarely accepted
+here; test_dflash_proposal checks the q that sampled drafts are sent with, and
+tests/decoding/test_decode_sampling the loop with drafts that are often accepted.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_speculative_sampling_matches_target(target, mode, temperature, top_p):
 
 
 def test_sampled_drafts_from_a_draft_vocabulary_match_target(target):
-    """q is zero outside the draft vocabulary (half the tokens here); the ratio rule must stay exact."""
+    """q is zero outside the draft vocabulary (half the tokens here); block verification must stay exact."""
     sampling = DraftSampling("sample", DRAFT_TEMPERATURE)
     drafter = load_drafter("untrained", target, block_size=4, draft_sampling=sampling)
     vocab = np.arange(0, target.config.vocab_size, 2, dtype=np.int32)
