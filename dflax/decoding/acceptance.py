@@ -119,8 +119,9 @@ def accept_block(
       r_j = max(0, w_j p_j - q_j) (unnormalised, over the vocabulary),  rho_j = sum(r_j),
       h_j = rho_j / (rho_j + 1 - w_j) (0 where rho_j = 0),  for j = 1..T.
     With independent u_j ~ U[0, 1), the rule keeps the longest prefix j with u_j < h_j (none: j = 0) and
-    emits a sample of normalise(r_j) after it; r_0 = max(0, p_0 - q_0) is the token-by-token rule's
-    residual and r_T = w_T p_T its bonus. For T = 1 it is exactly speculative sampling. p is the target's
+    emits a sample of normalise(r_j) after it: r_0 = max(0, p_0 - q_0) is the token-by-token rule's
+    residual, and r_T = w_T p_T (no draft at the bonus position) draws from p_T. For T = 1 the rule is
+    token-by-token speculative sampling. p is the target's
     distribution under `params`; at temperature 0 it is one-hot and the result is greedy verification.
 
     Args:

@@ -5,8 +5,8 @@ just the last committed token, and the acceptance rule commits the one token sam
 Speculative methods plug a `Proposer` into the same step. A proposer returns a chain (verified causally by
 the delta rule, or by block verification for sampled drafts) or a `DraftTree` (verified under its ancestor
 mask by the tree delta rule, the accepted path's K/V then gathered into contiguous slots; see
-dflax.decoding.tree). Either way the step
-commits a chain of tokens, and the drafter observes the committed tokens with their target features.
+dflax.decoding.tree). Either way the step commits a chain of tokens, and the drafter observes the
+committed tokens with their target features.
 
 Randomness is per row: row r at output index i uses fold_in(row_key[r], i), so a prompt's output does
 not depend on which other prompts share its batch.
