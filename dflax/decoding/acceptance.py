@@ -121,8 +121,8 @@ def accept_block(
     With independent u_j ~ U[0, 1), the rule keeps the longest prefix j with u_j < h_j (none: j = 0) and
     emits a sample of normalise(r_j) after it: r_0 = max(0, p_0 - q_0) is the token-by-token rule's
     residual, and r_T = w_T p_T (no draft at the bonus position) draws from p_T. For T = 1 the rule is
-    token-by-token speculative sampling. p is the target's
-    distribution under `params`; at temperature 0 it is one-hot and the result is greedy verification.
+    token-by-token speculative sampling. p is the target's distribution under `params`; at temperature 0
+    it is one-hot and the result is greedy verification.
 
     Args:
       key: one PRNG key, or [B] row keys.
@@ -158,9 +158,10 @@ def accept_block(
 
     at = num_accepted[:, None, None]  # [B, 1, 1]
     next_residual = jnp.take_along_axis(residual, at, axis=1)[:, 0]  # [B, V]
+    next_mass = jnp.take_along_axis(mass, num_accepted[:, None], axis=1)  # [B, 1]
     # A zero residual is only reached with probability 0 (p == q at position 0); p keeps the draw defined.
     p_next = jnp.take_along_axis(p, at, axis=1)[:, 0]  # [B, V]
-    next_residual = jnp.where(jnp.sum(next_residual, axis=-1, keepdims=True) > 0, next_residual, p_next)
+    next_residual = jnp.where(next_mass > 0, next_residual, p_next)
     next_token = categorical(key_residual, jnp.where(next_residual > 0, jnp.log(next_residual), NEG_INF))
     next_tokens = jnp.broadcast_to(next_token[:, None], p.shape[:2])  # [B, T + 1], read at num_accepted
     return commit_tokens(draft_tokens, num_accepted, next_tokens)
