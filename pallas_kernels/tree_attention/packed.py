@@ -7,7 +7,7 @@ blocks from its first query's row start (or sliding-window start) to its own end
 sum(len^2) / 2 plus one block per query block, and the softmax runs online over those key blocks.
 
 Glossary of einsum letters: Q queries of a block, C keys of a block, K kv heads, G query heads per kv
-head, H head_dim.
+head, M = Q x G query rows of one kv head, H head_dim.
 """
 
 from __future__ import annotations
@@ -70,8 +70,14 @@ def packed_causal_attention(
     block = block or block_size(length)
     if length % block:
         raise ValueError(f"block={block} must divide the pack length {length}")
-    qf = q.astype(jnp.float32).reshape(length, kv, g, h) * default_scale(h, sm_scale)  # [L, K, G, H]
-    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)  # [L, K, H]
+    # Head-major: each kv head's Q x G queries of a block are the rows of both products, so the products
+    # are matmuls batched over a leading kv-head axis (with the query axis first XLA's CPU backend moved
+    # every block's scores and queries before each product).
+    qf = q.astype(jnp.float32).reshape(length, kv, g, h) * default_scale(h, sm_scale)
+    qf = jnp.moveaxis(qf, 1, 0)  # [K, L, G, H]
+    kf = jnp.moveaxis(k.astype(jnp.float32), 1, 0)  # [K, L, H]
+    vf = jnp.where((segment_ids >= 0)[:, None, None], v.astype(jnp.float32), 0.0)  # tail: anything
+    vf = jnp.moveaxis(vf, 1, 0)  # [K, L, H]
     segment_ids = segment_ids.astype(jnp.int32)
     positions = positions.astype(jnp.int32)
     index = jnp.arange(length, dtype=jnp.int32)
@@ -82,41 +88,46 @@ def packed_causal_attention(
     first_visible = jnp.where(segment_ids < 0, index, first_visible)
     if sliding_window is not None:
         first_visible = jnp.maximum(first_visible, index - sliding_window + 1)
+    if initial_state is not None:  # [K, L, G, ...], the loop's layout
+        initial_state = tuple(jnp.moveaxis(x, 0, 1) for x in initial_state)
 
     def query_block(j, out):
         lo_q = j * block
-        qb = jax.lax.dynamic_slice_in_dim(qf, lo_q, block)  # [Q, K, G, H]
+        qb = jax.lax.dynamic_slice_in_dim(qf, lo_q, block, axis=1).reshape(kv, block * g, h)  # [K, M, H]
         seg_q = jax.lax.dynamic_slice_in_dim(segment_ids, lo_q, block)  # [Q]
         pos_q = jax.lax.dynamic_slice_in_dim(positions, lo_q, block)
         idx_q = lo_q + jnp.arange(block, dtype=jnp.int32)
 
         def key_block(i, state):
             lo_k = i * block
-            kb = jax.lax.dynamic_slice_in_dim(kf, lo_k, block)  # [C, K, H]
-            vb = jax.lax.dynamic_slice_in_dim(vf, lo_k, block)
+            kb = jax.lax.dynamic_slice_in_dim(kf, lo_k, block, axis=1)  # [K, C, H]
+            vb = jax.lax.dynamic_slice_in_dim(vf, lo_k, block, axis=1)
             seg_k = jax.lax.dynamic_slice_in_dim(segment_ids, lo_k, block)
             pos_k = jax.lax.dynamic_slice_in_dim(positions, lo_k, block)
             idx_k = lo_k + jnp.arange(block, dtype=jnp.int32)
-            vb = jnp.where((seg_k >= 0)[:, None, None], vb, 0.0)  # the unused tail may hold anything
             vis = (seg_q[:, None] == seg_k[None, :]) & (idx_k[None, :] <= idx_q[:, None])  # [Q, C]
             vis = vis & (seg_q[:, None] >= 0)  # the unused tail sees nothing
             if sliding_window is not None:
                 vis = vis & (pos_q[:, None] - pos_k[None, :] < sliding_window)
-            scores = jnp.einsum("QKGH,CKH->QKGC", qb, kb, precision=_HI)
-            return online_update(state, scores, vis[:, None, None, :], vb, "QKGC,CKH->QKGH")
+            vis = jnp.broadcast_to(vis[:, None, :], (block, g, block)).reshape(1, block * g, block)
+            scores = jnp.einsum("KMH,KCH->KMC", qb, kb, precision=_HI)
+            return online_update(state, scores, vis, vb, "KMC,KCH->KMH")
 
         first_key = jax.lax.dynamic_index_in_dim(first_visible, lo_q, keepdims=False)
         if initial_state is None:
             state = (
-                jnp.full((block, kv, g), MASK_VALUE, jnp.float32),
-                jnp.zeros((block, kv, g), jnp.float32),
-                jnp.zeros((block, kv, g, h), jnp.float32),
+                jnp.full((kv, block * g), MASK_VALUE, jnp.float32),
+                jnp.zeros((kv, block * g), jnp.float32),
+                jnp.zeros((kv, block * g, h), jnp.float32),
             )
         else:
-            state = tuple(jax.lax.dynamic_slice_in_dim(x, lo_q, block) for x in initial_state)
+            state = tuple(
+                jax.lax.dynamic_slice_in_dim(x, lo_q, block, axis=1).reshape(kv, block * g, *x.shape[3:])
+                for x in initial_state
+            )
         _, denom, acc = jax.lax.fori_loop(first_key // block, j + 1, key_block, state)
         res = acc * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)[..., None]
-        return jax.lax.dynamic_update_slice_in_dim(out, res, lo_q, axis=0)
+        return jax.lax.dynamic_update_slice_in_dim(out, res.reshape(kv, block, g, h), lo_q, axis=1)
 
-    out = jax.lax.fori_loop(0, length // block, query_block, jnp.zeros((length, kv, g, h), jnp.float32))
-    return out.reshape(length, n, h).astype(q.dtype)
+    out = jax.lax.fori_loop(0, length // block, query_block, jnp.zeros((kv, length, g, h), jnp.float32))
+    return jnp.moveaxis(out, 0, 1).reshape(length, n, h).astype(q.dtype)

@@ -7,10 +7,10 @@ than one query block under the causal promise. Stale slots hold NaN: any read of
 """
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_equations import equations
 from test_tree_attention import call, dense_oracle, make_inputs
 
 from pallas_kernels.tree_attention import tree_attention, tree_attention_chunked
@@ -119,14 +119,6 @@ def test_auto_is_chunked_on_cpu():
     np.testing.assert_allclose(np.asarray(auto), np.asarray(chunked), atol=0, rtol=0)
 
 
-def _equations(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs inside it (loops, jits), depth first."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _equations(sub)
-
-
 @pytest.mark.parametrize("n", [1, 2, 16])
 def test_chunk_products_are_batched_over_leading_row_and_head_axes(n):
     """Both products of the chunk loop batch over (row, kv head) as their two leading axes, with one kv
@@ -136,11 +128,11 @@ def test_chunk_products_are_batched_over_leading_row_and_head_axes(n):
     inputs = make_inputs(3, n=n, cache_lens=[40, 70], max_len=200, num_heads=6, num_kv_heads=2, head_dim=16,
                          dtype=jnp.float32)  # fmt: skip
     jaxpr = jax.make_jaxpr(lambda x: call(tree_attention_chunked, x))(inputs).jaxpr
-    loops = [eqn for eqn in _equations(jaxpr) if eqn.primitive.name == "while"]
+    loops = [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "while"]
     assert len(loops) == 1, "the prefix is read in one chunk loop"
     batch_dims = [
         eqn.params["dimension_numbers"][1]  # (lhs batch dims, rhs batch dims)
-        for eqn in _equations(loops[0].params["body_jaxpr"].jaxpr)
+        for eqn in equations(loops[0].params["body_jaxpr"].jaxpr)
         if eqn.primitive.name == "dot_general"
     ]
     assert batch_dims == [((0, 1), (0, 1))] * 2, batch_dims

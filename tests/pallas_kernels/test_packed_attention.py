@@ -4,9 +4,11 @@ Rows start and end inside blocks and across them, one row is longer than several
 an unused tail; a sliding window shorter than a block and one longer than it.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_equations import equations
 
 from pallas_kernels.tree_attention.packed import block_size, packed_causal_attention
 
@@ -64,3 +66,19 @@ def test_block_size_divides_the_pack():
     with pytest.raises(ValueError, match="must divide"):
         zeros, ids = jnp.zeros((48, 2, 8)), jnp.zeros(48, jnp.int32)
         packed_causal_attention(zeros, zeros, zeros, ids, ids, block=32)
+
+
+def test_block_products_are_batched_over_a_leading_kv_head_axis():
+    """Both products of the key-block loop batch over the kv head as their leading axis, one kv head's
+    block of queries (times its query heads) as the rows of each matmul. With the query axis first, XLA's
+    CPU backend moved every block's queries and scores before each product: a 2,048-token pack of SmolLM2
+    shapes took 62 ms a layer on a 2-core EPYC, 34 ms head-major."""
+    size, ids = 64, jnp.zeros(64, jnp.int32)
+    q, kv = jnp.zeros((size, 6, 16)), jnp.zeros((size, 2, 16))
+    jaxpr = jax.make_jaxpr(lambda q, k, v: packed_causal_attention(q, k, v, ids, ids, block=16))(q, kv, kv)
+    batch_dims = [
+        eqn.params["dimension_numbers"][1]  # (lhs batch dims, rhs batch dims)
+        for eqn in equations(jaxpr.jaxpr)
+        if eqn.primitive.name == "dot_general"
+    ]
+    assert batch_dims == [((0,), (0,))] * 2, batch_dims  # the scores and the value mix, in the key loop
