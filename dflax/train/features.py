@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -161,6 +162,7 @@ def cache_features(
         features = np.load(path, mmap_mode="r+")
         size = f"{path.name}, {np.prod(shape) * 2 / 1e9:.2f} GB"
         task = progress.add_task("caching target features", total=num_seqs, completed=done, info=size)
+        start, t0 = done, time.perf_counter()
         while done < num_seqs and not should_stop():
             count = fitting_rows(lengths, done, rows, pack_tokens)
             batch_tokens = np.zeros((rows, tokens.shape[1]), np.int32)
@@ -175,7 +177,10 @@ def cache_features(
             _write_json(record_path, {**record, "done": done})
             progress.update(task, completed=done)
             if not progress.console.is_terminal and done * 20 // num_seqs > (done - count) * 20 // num_seqs:
-                progress.console.print(f"caching target features: {done}/{num_seqs} sequences ({size})")
+                rate = (done - start) / (time.perf_counter() - t0) * 60
+                progress.console.print(
+                    f"caching target features: {done}/{num_seqs} sequences ({size}), {rate:.0f} sequences/min"
+                )
         del features
         progress.remove_task(task)
     return FeatureCache(np.load(path, mmap_mode="r"), offsets) if done == num_seqs else None
