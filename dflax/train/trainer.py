@@ -82,7 +82,7 @@ from dflax.train.features import FeatureCache, cache_features
 from dflax.train.recipe import RunSettings, read_recipe
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD, record_warm_start, write_report
 from dflax.train.target_init import init_from_target
-from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
+from dflax.train.warm_start import resolve_drafter_dir, warm_start_params, warm_start_vocab
 
 # What a checkpoint must share with the run it resumes: the start, the data order and the anchors.
 _ORDER_FIELDS = (
@@ -102,6 +102,7 @@ _ORDER_FIELDS = (
 # How a run's drafter starts: random weights, the target's last layers (dflax.train.target_init), or an
 # exported drafter (dflax.train.warm_start).
 INITS = ("random", "target", "drafter")
+DRAFT_VOCAB_SOURCES = ("data", "warm_start")  # see TrainConfig.draft_vocab_from
 
 # What a recipe trains: a DFlash drafter (block diffusion, dflax.drafters.dflash) or a DART drafter
 # (one causal layer with parallel logits, dflax.drafters.dart; trained by dflax.train.dart_objective).
@@ -144,6 +145,9 @@ class TrainConfig(RunSettings):
         directory.
       draft_vocab_size: V', the drafter reads out only the V' most frequent tokens of the training
         responses (dflax.drafters.draft_vocab); 0 = the target's whole vocabulary.
+      draft_vocab_from: where a pruned vocabulary comes from: "data" (this run's responses) or
+        "warm_start" (the drafter `init_from` drafts, which must have V' tokens): a run that continues on
+        a slice of the data keeps the vocabulary its parent chose from more of it.
       anchors_per_seq: M anchors (blocks) per sequence per step, all in one drafter forward (R =
         batch_size * M block rows per step).
       anchor_stride: 0 = M random distinct response positions; s >= 1 = every s-th response position
@@ -175,6 +179,7 @@ class TrainConfig(RunSettings):
     init: str = "random"
     init_from: str | None = None
     draft_vocab_size: int = 0
+    draft_vocab_from: str = "data"
     anchors_per_seq: int = 32
     anchor_stride: int = 0
     feature_cache_dir: str | None = None
@@ -206,6 +211,16 @@ class TrainConfig(RunSettings):
             )
         if self.init not in INITS:
             raise ValueError(f"training config: init {self.init!r} unknown; use one of {', '.join(INITS)}")
+        if self.draft_vocab_from not in DRAFT_VOCAB_SOURCES:
+            raise ValueError(
+                f"training config: draft_vocab_from {self.draft_vocab_from!r} unknown; use one of "
+                f"{', '.join(DRAFT_VOCAB_SOURCES)}"
+            )
+        if self.draft_vocab_from == "warm_start" and (self.init != "drafter" or not self.draft_vocab_size):
+            raise ValueError(
+                "training config: draft_vocab_from 'warm_start' keeps the pruned vocabulary of the drafter "
+                "it starts from: it needs init 'drafter' and draft_vocab_size > 0"
+            )
         if (self.init == "drafter") != (self.init_from is not None):
             raise ValueError(
                 "training config: init 'drafter' needs init_from ('shipped' or a drafter directory), and "
@@ -783,7 +798,12 @@ def train(
     drafter_config = config.drafter_config(target)
     drafter_config.check_target(target.config)
     draft_vocab = None
-    if config.draft_vocab_size:
+    if config.draft_vocab_from == "warm_start":
+        draft_vocab = warm_start_vocab(
+            resolve_drafter_dir(config.init_from, target.name), config.draft_vocab_size
+        )
+        console.print(f"draft vocabulary: the {len(draft_vocab)} tokens of the drafter it starts from")
+    elif config.draft_vocab_size:
         # What the drafter is trained to draft: the responses, as truncated to max_seq_len.
         responses = ((t[:n], p) for t, p, n in zip(data.tokens, data.prompt_lens, data.lengths))
         draft_vocab = frequent_tokens(responses, config.draft_vocab_size, target.config.vocab_size)

@@ -4,7 +4,7 @@ A drafter directory (the shipped one, or any `dflax train` export) holds the wei
 state, so a warm-started run begins a new schedule (warmup included) from those weights. The drafter must
 have the architecture the recipe trains (same layers, tapped target layers, mask and feature norm); the
 block size may differ (the weights do not depend on it) and so may the draft vocabulary (the LM head is
-the target's; the run picks its own from its data).
+the target's; the run picks its own from its data, or keeps the parent's: `warm_start_vocab`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflax.drafters import SHIPPED, shipped_drafter_path
 from dflax.drafters.checkpoint import load_drafter_checkpoint
@@ -65,3 +66,19 @@ def warm_start_params(path: Path, config: DFlashConfig, params: dict) -> dict:
             "feature_norm in the recipe) or init 'target'"
         )
     return jax.tree.map(lambda new, old: jnp.array(old, new.dtype, copy=True), params, loaded)
+
+
+def warm_start_vocab(path: Path, size: int) -> np.ndarray:
+    """The pruned draft vocabulary [size] int32 of the drafter at `path`.
+
+    Raises:
+      ValueError: when that drafter drafts the whole vocabulary or a pruned one of another size.
+    """
+    _, _, vocab = load_drafter_checkpoint(path, jnp.float32)
+    if vocab is None or len(vocab) != size:
+        have = "the whole vocabulary" if vocab is None else f"{len(vocab)} tokens"
+        raise ValueError(
+            f"draft_vocab_from 'warm_start': the drafter at {str(path)!r} drafts {have}, not "
+            f"draft_vocab_size={size}; set draft_vocab_size to match or draft_vocab_from 'data'"
+        )
+    return np.asarray(vocab, np.int32)

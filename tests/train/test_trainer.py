@@ -450,6 +450,23 @@ def test_training_with_a_draft_vocabulary_and_distillation_exports_it(target, pr
     spec = dflax.generate(target, prompts[32:36], max_new_tokens=16, batch_size=4, drafter=drafter)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
 
+    # A warm start on another slice keeps its parent's vocabulary with draft_vocab_from 'warm_start'
+    # (the slice's own 64 most frequent tokens are another set).
+    slice_ = sequences[32:40]
+    own = frequent_tokens([(ids[:64], p) for ids, p in slice_], 64, 256)
+    assert set(own) != set(drafter.proposer.draft_vocab)
+    warm = dataclasses.replace(
+        config, steps=1, init="drafter", init_from=str(result.drafter_dir), draft_vocab_from="warm_start"
+    )
+    child = train(warm, target, slice_, [], tmp_path / "child", console=QUIET)
+    kept = load_drafter(child.drafter_dir, target).proposer.draft_vocab
+    np.testing.assert_array_equal(kept, drafter.proposer.draft_vocab)
+    with pytest.raises(ValueError, match="drafts 64 tokens, not draft_vocab_size=32"):
+        smaller = dataclasses.replace(warm, draft_vocab_size=32)
+        train(smaller, target, slice_, [], tmp_path / "smaller", console=QUIET)
+    with pytest.raises(ValueError, match="needs init 'drafter' and draft_vocab_size > 0"):
+        dataclasses.replace(config, draft_vocab_from="warm_start")
+
 
 def test_acceptance_is_the_cumulative_product_of_conditional_accuracy():
     correct = jnp.asarray([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], bool)
