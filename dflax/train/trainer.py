@@ -312,7 +312,7 @@ class TrainConfig(RunSettings):
     @property
     def feature_rows(self) -> int:
         """Sequences per target-feature forward (at most; see `feature_tokens`): enough that answers of
-        128 tokens on average fill the pack (8 rows left 13% of the shipped recipe's packs empty)."""
+        128 tokens on average fill the pack (8 rows left 13% of the shipped recipe's pack tokens unused)."""
         return max(1, self.feature_tokens // 128)
 
     @property
