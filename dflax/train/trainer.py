@@ -311,9 +311,10 @@ class TrainConfig(RunSettings):
 
     @property
     def feature_rows(self) -> int:
-        """Sequences per target-feature forward (at most; see `feature_tokens`): enough that answers of
-        128 tokens on average fill the pack (8 rows left 13% of the shipped recipe's pack tokens unused)."""
-        return max(1, self.feature_tokens // 128)
+        """Sequences per target-feature forward (at most; see `feature_tokens`): 2 x batch_size, or more
+        where answers of 128 tokens on average would fill the pack (8 rows left 13% of the shipped
+        recipe's pack tokens unused)."""
+        return max(2 * self.batch_size, self.feature_tokens // 128)
 
     @property
     def feature_tokens(self) -> int:
