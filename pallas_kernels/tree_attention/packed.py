@@ -74,7 +74,7 @@ def packed_causal_attention(
     # are matmuls batched over a leading kv-head axis (with the query axis first XLA's CPU backend moved
     # every block's scores and queries before each product).
     qf = q.astype(jnp.float32).reshape(length, kv, g, h) * default_scale(h, sm_scale)
-    qf = jnp.moveaxis(qf, 1, 0)  # [K, L, G, H]
+    qf = jnp.moveaxis(qf, 1, 0).reshape(kv, length * g, h)  # [K, L x G, H]: a block's rows are contiguous
     kf = jnp.moveaxis(k.astype(jnp.float32), 1, 0)  # [K, L, H]
     vf = jnp.where((segment_ids >= 0)[:, None, None], v.astype(jnp.float32), 0.0)  # tail: anything
     vf = jnp.moveaxis(vf, 1, 0)  # [K, L, H]
@@ -88,12 +88,14 @@ def packed_causal_attention(
     first_visible = jnp.where(segment_ids < 0, index, first_visible)
     if sliding_window is not None:
         first_visible = jnp.maximum(first_visible, index - sliding_window + 1)
-    if initial_state is not None:  # [K, L, G, ...], the loop's layout
-        initial_state = tuple(jnp.moveaxis(x, 0, 1) for x in initial_state)
+    if initial_state is not None:  # [K, L x G, ...], the loop's layout
+        initial_state = tuple(
+            jnp.moveaxis(x, 0, 1).reshape(kv, length * g, *x.shape[3:]) for x in initial_state
+        )
 
     def query_block(j, out):
         lo_q = j * block
-        qb = jax.lax.dynamic_slice_in_dim(qf, lo_q, block, axis=1).reshape(kv, block * g, h)  # [K, M, H]
+        qb = jax.lax.dynamic_slice_in_dim(qf, lo_q * g, block * g, axis=1)  # [K, M, H]
         seg_q = jax.lax.dynamic_slice_in_dim(segment_ids, lo_q, block)  # [Q]
         pos_q = jax.lax.dynamic_slice_in_dim(positions, lo_q, block)
         idx_q = lo_q + jnp.arange(block, dtype=jnp.int32)
@@ -121,13 +123,10 @@ def packed_causal_attention(
                 jnp.zeros((kv, block * g, h), jnp.float32),
             )
         else:
-            state = tuple(
-                jax.lax.dynamic_slice_in_dim(x, lo_q, block, axis=1).reshape(kv, block * g, *x.shape[3:])
-                for x in initial_state
-            )
+            state = tuple(jax.lax.dynamic_slice_in_dim(x, lo_q * g, block * g, axis=1) for x in initial_state)
         _, denom, acc = jax.lax.fori_loop(first_key // block, j + 1, key_block, state)
         res = acc * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)[..., None]
-        return jax.lax.dynamic_update_slice_in_dim(out, res.reshape(kv, block, g, h), lo_q, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(out, res, lo_q * g, axis=1)
 
-    out = jax.lax.fori_loop(0, length // block, query_block, jnp.zeros((kv, length, g, h), jnp.float32))
-    return jnp.moveaxis(out, 0, 1).reshape(length, n, h).astype(q.dtype)
+    out = jax.lax.fori_loop(0, length // block, query_block, jnp.zeros((kv, length * g, h), jnp.float32))
+    return jnp.moveaxis(out.reshape(kv, length, g, h), 0, 1).reshape(length, n, h).astype(q.dtype)
