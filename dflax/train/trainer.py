@@ -798,11 +798,10 @@ def train(
     )
     drafter_config = config.drafter_config(target)
     drafter_config.check_target(target.config)
+    parent = resolve_drafter_dir(config.init_from, target.name) if config.init == "drafter" else None
     draft_vocab = None
     if config.draft_vocab_from == "warm_start":
-        draft_vocab = warm_start_vocab(
-            resolve_drafter_dir(config.init_from, target.name), config.draft_vocab_size
-        )
+        draft_vocab = warm_start_vocab(parent, config.draft_vocab_size)
         console.print(f"draft vocabulary: the {len(draft_vocab)} tokens of the drafter it starts from")
     elif config.draft_vocab_size:
         # What the drafter is trained to draft: the responses, as truncated to max_seq_len.
@@ -815,7 +814,6 @@ def train(
             raise ValueError("DART trains on one device for now: leave out --mesh (DFlash trains on a mesh)")
         TrainingSharding.for_drafter(drafter_config.layers, target.mesh).check_batch(config.batch_size)
     programs = _programs(drafter_config, target.module, config, total_steps, vocab_key, target.mesh)
-    parent = resolve_drafter_dir(config.init_from, target.name) if config.init == "drafter" else None
     state = _initial_state(programs.module, programs.tx, config, target, parent)
     place_batch = (lambda batch: batch) if programs.sharding is None else programs.sharding.place_batch
     if programs.sharding is not None:
