@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dflax.cpu_kernels.few_rows_matmul import cpu_products
 from dflax.models.layers import dot_float32
 
 # CPU features that decide how fast a bf16 or float32 product runs (AMX and AVX-512 BF16 multiply bf16
@@ -27,7 +28,8 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def machine_facts() -> dict[str, Any]:
-    """What this process computes on: backend, devices, CPU model and its matmul-relevant flags, jax."""
+    """What this process computes on: backend, devices, CPU model and its matmul-relevant flags, what takes
+    a few rows' products on the CPU (`dflax.cpu_kernels.few_rows_matmul.cpu_products`), jax."""
     model, flags = platform.processor(), set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -46,6 +48,7 @@ def machine_facts() -> dict[str, Any]:
         "cpu": model,
         "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
         "cpu_count": os.cpu_count(),
+        "cpu_products": cpu_products(),
         "jax": jax.__version__,
     }
 
@@ -81,8 +84,8 @@ def measure_roofline(params, rows: int = 64, reps: int = 7) -> dict[str, Any]:
     matrices = _weight_matrices(params)
 
     def through_all(xs, ws):  # [rows, in] x [out, in]^T for every matrix, summed so nothing is skipped
-        # The model's own product (`dot_float32`: float32 accumulation, a bf16 row computed as two on the
-        # CPU); a plain bf16 `x @ w` takes XLA's slow single-row path, about 7x a whole decode step.
+        # The model's own product (`dot_float32`: float32 accumulation; on the CPU a few rows go to
+        # `few_rows_matmul`); a plain bf16 `x @ w` takes XLA's slow single-row path, ~7x a decode step.
         return sum(jnp.sum(dot_float32(x, w)) for x, w in zip(xs, ws))
 
     fn = jax.jit(through_all)

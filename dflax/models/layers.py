@@ -14,6 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflax.cpu_kernels.few_rows_matmul import (
+    few_rows_matmul,
+    few_rows_matmul_applies,
+    few_rows_matmul_reference,
+)
 from dflax.models.config import RopeScaling
 
 
@@ -24,10 +29,14 @@ def _matmul_float32(x: jax.Array, weight: jax.Array) -> jax.Array:
     The product is taken on x's rows as one [rows, in] matrix: XLA's CPU backend multiplies a 2-D left
     operand by the weight as stored, but gives a bf16 product with more leading axes (a [B, T, in] verify
     block) a transposed copy of the weight, which inside the decode loop is hoisted and paid once per
-    call: a copy of every weight of the model per `generate` batch.
+    call: a copy of every weight of the model per `generate` batch. A few rows on a CPU go to
+    `few_rows_matmul`, which reads the weight once at memory speed where XLA's product does not.
     """
     rows = x.reshape(-1, x.shape[-1])  # [rows, in]
-    out = jnp.einsum("ri,oi->ro", rows, weight, preferred_element_type=jnp.float32)  # [rows, out]
+    if few_rows_matmul_applies(rows, weight):
+        out = jax.lax.platform_dependent(rows, weight, cpu=few_rows_matmul, default=few_rows_matmul_reference)
+    else:
+        out = few_rows_matmul_reference(rows, weight)  # [rows, out]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -64,10 +73,11 @@ def dot_float32(x: jax.Array, weight: jax.Array) -> jax.Array:
     is also XLA's fast path: SmolLM2's projections for 4 rows take 19 ms with a float32 result and 145 ms
     with a bf16 one. XLA's single-row bf16 product is slow there too (116 ms), so a bf16 input of one row
     lowered for the CPU is computed as two (decided by the lowering platform, so a TPU or GPU program
-    compiled on this CPU keeps its one row). Its gradient's products also run at the inputs' precision
-    (bf16 training).
+    compiled on this CPU keeps its one row), unless `few_rows_matmul` takes it. Its gradient's products also
+    run at the inputs' precision (bf16 training).
     """
-    if math.prod(x.shape[:-1]) == 1 and x.dtype == jnp.bfloat16:
+    one_bf16_row = math.prod(x.shape[:-1]) == 1 and x.dtype == jnp.bfloat16
+    if one_bf16_row and not few_rows_matmul_applies(x.reshape(1, -1), weight):
         return jax.lax.platform_dependent(x, weight, cpu=_matmul_float32_two_rows, default=_matmul_float32)
     return _matmul_float32(x, weight)
 

@@ -1,0 +1,84 @@
+"""Compiles a kernel's C++ source into a shared library once per machine and registers it with XLA's FFI.
+
+The library is cached in dflax's cache directory (`cpu_kernels/`), named by a hash of the source, the
+compiler flags and the jaxlib version, so a changed kernel or jaxlib rebuilds it and parallel processes
+(pytest workers) share one build. DFLAX_CPU_KERNELS=0 turns the kernels off (XLA's
+products everywhere), for comparisons.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jaxlib
+
+from dflax.checkpoints.model_files import cache_dir
+
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
+
+
+def cpu_has_avx2_fma() -> bool:
+    """Whether this x86-64 CPU has AVX2 and FMA (read from /proc/cpuinfo; False elsewhere)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return {"avx2", "fma"} <= set(flags)
+
+
+def library_path(source: Path) -> Path:
+    """Where the library built from `source` is cached: named by the source, the flags and jaxlib."""
+    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + jaxlib.__version__.encode())
+    return cache_dir() / "cpu_kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def _compile(source: Path) -> Path:
+    """The shared library built from `source`, compiled now unless the cache has it."""
+    library = library_path(source)
+    if library.exists():
+        return library
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or clang++) on PATH")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        built = Path(tmp) / library.name
+        command = [compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(), str(source), "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        os.replace(built, library)  # atomic: a concurrent build of the same source writes the same file
+    return library
+
+
+@functools.cache
+def load_kernel(source: Path, symbols: tuple[str, ...]) -> bool:
+    """Builds `source` (once), registers its FFI handlers `symbols` for the CPU, and says whether it worked.
+
+    False, with one warning naming the reason, when the kernels are turned off, the CPU lacks AVX2/FMA, or
+    the build fails: callers then keep XLA's own product.
+    """
+    if os.environ.get("DFLAX_CPU_KERNELS", "1") == "0" or not cpu_has_avx2_fma():
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_compile(source)))
+    except (OSError, RuntimeError) as error:
+        message = f"dflax: {source.name} not built, XLA's own products are used instead: {error}"
+        warnings.warn(message, stacklevel=2)
+        return False
+    for symbol in symbols:
+        jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return True
