@@ -34,10 +34,13 @@ def cpu_products() -> str:
 
 def few_rows_matmul_applies(rows: jax.Array, weight: jax.Array) -> bool:
     """Whether `few_rows_matmul` takes this product (decided at trace time; builds the kernel on first use):
-    at most MAX_ROWS rows, an input width that is a multiple of 8, float32 or bfloat16 weights, and a kernel
-    that built on this CPU."""
+    at most MAX_ROWS rows, an input width that is a multiple of 8, float32 or bfloat16 weights, no mesh of
+    several devices being traced for (XLA cannot partition an FFI call: it would gather the weight), and a
+    kernel that built on this CPU."""
+    mesh = jax.sharding.get_abstract_mesh()
     return (
-        rows.ndim == 2
+        (mesh.empty or mesh.size == 1)
+        and rows.ndim == 2
         and rows.shape[0] <= MAX_ROWS
         and rows.shape[1] % 8 == 0
         and weight.dtype in _TARGETS

@@ -56,6 +56,10 @@ def test_products_it_does_not_take():
     assert not few_rows_matmul_applies(x, w)  # a width that is not a multiple of 8
     x, w = _operands(4, 64, 16, jnp.float16)
     assert not few_rows_matmul_applies(x, w)
+    x, w = _operands(4, 64, 16, jnp.float32)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 4), ("data", "model"))):
+        assert not few_rows_matmul_applies(x, w)  # XLA would gather a sharded weight for an FFI call
+    assert few_rows_matmul_applies(x, w)
 
 
 def test_models_products_go_through_it_on_the_cpu_and_keep_their_gradient():

@@ -18,13 +18,16 @@ def _inputs(rows: int, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def test_float32_is_the_plain_product():
+    """The product up to float32 summation order (a few rows on the CPU take `few_rows_matmul`)."""
     x, w = _inputs(3, jnp.float32)
-    np.testing.assert_array_equal(dot_float32(x, w), jnp.einsum("...i,oi->...o", x, w))
+    exact = np.einsum("...i,oi->...o", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    np.testing.assert_allclose(np.asarray(dot_float32(x, w)), exact, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_bfloat16_is_accumulated_in_float32(rows):
-    """One row (computed as two on the CPU) and several rows give the float64 product of the bf16 values."""
+    """One row (on the CPU `few_rows_matmul`, or two rows without it) and several rows give the float64
+    product of the bf16 values."""
     x, w = _inputs(rows, jnp.bfloat16)
     y = jax.jit(dot_float32)(x, w)
     assert y.dtype == jnp.float32 and y.shape == (rows, 1, 32)
