@@ -110,7 +110,8 @@ void RunChunks(Work& work, const float* x, const W* w, float* out, int64_t M, in
 template <typename W>
 ffi::Error FewRowsMatmul(ffi::ThreadPool pool, const float* x, const W* w, float* out, int64_t M, int64_t K,
                          int64_t O) {
-  if (K % 8 != 0) return ffi::Error::InvalidArgument("few_rows_matmul: the contraction must be a multiple of 8");
+  if (K % 8 != 0)
+    return ffi::Error::InvalidArgument("few_rows_matmul: the contraction must be a multiple of 8");
   auto work = std::make_shared<Work>();
   work->chunks = (O + kOutputsPerChunk - 1) / kOutputsPerChunk;
   int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks) - 1;
@@ -121,30 +122,24 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, const float* x, const W* w, float
   return ffi::Error::Success();
 }
 
-ffi::Error FewRowsMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                            ffi::ResultBuffer<ffi::F32> out) {
-  auto [M, K] = std::make_pair(x.dimensions()[0], x.dimensions()[1]);
-  return FewRowsMatmul(pool, x.typed_data(), w.typed_data(), out->typed_data(), M, K, w.dimensions()[0]);
+// The FFI handler for weights of dtype W (float32 or bf16): x [M, K] and the result [M, O] are float32.
+template <ffi::DataType W>
+ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<W> w,
+                   ffi::ResultBuffer<ffi::F32> out) {
+  return FewRowsMatmul(pool, x.typed_data(), w.typed_data(), out->typed_data(), x.dimensions()[0],
+                       x.dimensions()[1], w.dimensions()[0]);
 }
 
-ffi::Error FewRowsMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                             ffi::ResultBuffer<ffi::F32> out) {
-  auto [M, K] = std::make_pair(x.dimensions()[0], x.dimensions()[1]);
-  return FewRowsMatmul(pool, x.typed_data(), w.typed_data(), out->typed_data(), M, K, w.dimensions()[0]);
+template <ffi::DataType W>
+auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+      .Arg<ffi::Buffer<W>>()         // w [O, K]
+      .template Ret<ffi::Buffer<ffi::F32>>();  // out [M, O] (`template`: the builder type depends on W)
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dflax_few_rows_matmul_f32, FewRowsMatmulF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [O, K]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, O]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dflax_few_rows_matmul_bf16, FewRowsMatmulBF16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [O, K]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, O]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dflax_few_rows_matmul_f32, Handler<ffi::F32>, Binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dflax_few_rows_matmul_bf16, Handler<ffi::BF16>, Binding<ffi::BF16>());
