@@ -32,7 +32,7 @@ def _operands(rows, width, outputs, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, MAX_ROWS])
 def test_matches_xlas_product(dtype, rows):
-    # 131 outputs: chunks of 64, then single weight rows after the tiles of 2 and 4.
+    # 131 outputs: chunks of 48, then single weight rows after the tiles of 3 (one row: of 4).
     x, w = _operands(rows, 576, 131, dtype)
     assert few_rows_matmul_applies(x, w)
     got = jax.jit(few_rows_matmul)(x, w)
