@@ -30,9 +30,9 @@ namespace {
 constexpr int64_t kWeightRowsPerTile = 3;
 constexpr int64_t kMaxRowsPerTile = 4;
 constexpr int64_t kOutputsPerChunk = 48;  // a multiple of every tile's weight rows (3, and 4 for one row)
-// Weight rows are prefetched this many tiles ahead, by the first row tile only (later row tiles find the
-// tile's weight rows in L1).
+// Weight rows are prefetched this many groups of weight rows ahead.
 constexpr int64_t kPrefetchTiles = 2;
+constexpr int64_t kLineBytes = 64;
 
 // Eight consecutive weights as float32: float32 loads as is, bfloat16 is the high half of a float32.
 inline __m256 LoadWeights(const float* w) { return _mm256_loadu_ps(w); }
@@ -47,20 +47,22 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// R rows of x (float32, [R, K]) times U weight rows starting at output o; with `prefetch`, the weight rows
-// kPrefetchTiles tiles ahead are prefetched (a prefetch past the weight's end does not fault).
+// R rows of x (float32, [R, K]) times U weight rows starting at output o. Each k step also prefetches the
+// line at `ahead` + step * `ahead_stride` bytes (and the next one when the stride exceeds a line): the row
+// tiles of one group of weight rows share the prefetching of a later group evenly, so loads from memory
+// stay in flight while the tiles compute (a prefetch past the weight's end does not fault).
 template <int R, int U, typename W>
-inline void Tile(const float* x, const W* w, float* out, int64_t K, int64_t O, int64_t o, bool prefetch) {
+inline void Tile(const float* x, const W* w, float* out, int64_t K, int64_t O, int64_t o, const char* ahead,
+                 int64_t ahead_stride) {
   __m256 acc[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
+  const bool two_lines = ahead_stride > kLineBytes;
+  for (int64_t k = 0; k < K; k += 8, ahead += ahead_stride) {
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    if (two_lines) _mm_prefetch(ahead + kLineBytes, _MM_HINT_T0);
     __m256 wv[U];
-    for (int u = 0; u < U; ++u) {
-      if (prefetch)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (o + u + kPrefetchTiles * U) * K + k), _MM_HINT_T0);
-      wv[u] = LoadWeights(w + (o + u) * K + k);
-    }
+    for (int u = 0; u < U; ++u) wv[u] = LoadWeights(w + (o + u) * K + k);
     for (int r = 0; r < R; ++r) {
       __m256 xv = _mm256_loadu_ps(x + r * K + k);
       for (int u = 0; u < U; ++u) acc[r][u] = _mm256_fmadd_ps(xv, wv[u], acc[r][u]);
@@ -70,15 +72,21 @@ inline void Tile(const float* x, const W* w, float* out, int64_t K, int64_t O, i
     for (int u = 0; u < U; ++u) out[r * O + o + u] = HorizontalSum(acc[r][u]);
 }
 
+// Every row of x times U weight rows starting at output o, in row tiles; the tiles prefetch the weight
+// rows kPrefetchTiles groups ahead in equal shares.
 template <int U, typename W>
 void AllRows(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t O, int64_t o) {
+  const int64_t tiles = (M + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
+  const int64_t share = U * K * static_cast<int64_t>(sizeof(W)) / tiles;  // bytes each tile prefetches
+  const int64_t stride = (share + K / 8 - 1) / (K / 8);                    // bytes per k step
+  const char* ahead = reinterpret_cast<const char*>(w + (o + kPrefetchTiles * U) * K);
   int64_t r = 0;
-  for (; r + kMaxRowsPerTile <= M; r += kMaxRowsPerTile)
-    Tile<kMaxRowsPerTile, U>(x + r * K, w, out + r * O, K, O, o, r == 0);
+  for (; r + kMaxRowsPerTile <= M; r += kMaxRowsPerTile, ahead += share)
+    Tile<kMaxRowsPerTile, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride);
   switch (M - r) {
-    case 3: Tile<3, U>(x + r * K, w, out + r * O, K, O, o, r == 0); break;
-    case 2: Tile<2, U>(x + r * K, w, out + r * O, K, O, o, r == 0); break;
-    case 1: Tile<1, U>(x + r * K, w, out + r * O, K, O, o, r == 0); break;
+    case 3: Tile<3, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride); break;
+    case 2: Tile<2, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride); break;
+    case 1: Tile<1, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride); break;
     default: break;
   }
 }
