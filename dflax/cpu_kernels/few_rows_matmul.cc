@@ -24,14 +24,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Twelve accumulators, three weight vectors and one row of x fill AVX2's sixteen vector registers. Against
-// tiles of 4 x 2 (on the EPYC, 2026-11-28), a third fewer loads of x per FMA: a 1,536 x 576 float32
-// weight times 16 / 32 rows 456 / 899 -> 345 / 605 us, bf16 weights 408 / 761 -> 275 / 550 us.
+// Twelve accumulators, three weight vectors and one row of x fill AVX2's sixteen vector registers: a third
+// fewer loads of x per FMA than tiles of 4 x 2 (all of SmolLM2's fp32 weights times 16 / 32 rows on the
+// EPYC, 2026-11-28: 65 / 103 -> 55 / 83 ms).
 constexpr int64_t kWeightRowsPerTile = 3;
 constexpr int64_t kMaxRowsPerTile = 4;
 constexpr int64_t kOutputsPerChunk = 48;  // a multiple of every tile's weight rows (3, and 4 for one row)
-// Weight rows are prefetched this many groups of weight rows ahead.
-constexpr int64_t kPrefetchTiles = 2;
+// Weight rows are prefetched this many groups of weight rows ahead, by all row tiles in equal shares (the
+// first row tile alone prefetching a group left the memory idle while the others computed: 16 rows of the
+// same weights 53-56 -> 42-45 ms).
+constexpr int64_t kPrefetchGroups = 2;
 constexpr int64_t kLineBytes = 64;
 
 // Eight consecutive weights as float32: float32 loads as is, bfloat16 is the high half of a float32.
@@ -73,13 +75,13 @@ inline void Tile(const float* x, const W* w, float* out, int64_t K, int64_t O, i
 }
 
 // Every row of x times U weight rows starting at output o, in row tiles; the tiles prefetch the weight
-// rows kPrefetchTiles groups ahead in equal shares.
+// rows kPrefetchGroups groups ahead in equal shares.
 template <int U, typename W>
 void AllRows(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t O, int64_t o) {
   const int64_t tiles = (M + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
   const int64_t share = U * K * static_cast<int64_t>(sizeof(W)) / tiles;  // bytes each tile prefetches
   const int64_t stride = (share + K / 8 - 1) / (K / 8);                    // bytes per k step
-  const char* ahead = reinterpret_cast<const char*>(w + (o + kPrefetchTiles * U) * K);
+  const char* ahead = reinterpret_cast<const char*>(w + (o + kPrefetchGroups * U) * K);
   int64_t r = 0;
   for (; r + kMaxRowsPerTile <= M; r += kMaxRowsPerTile, ahead += share)
     Tile<kMaxRowsPerTile, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride);

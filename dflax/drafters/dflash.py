@@ -233,7 +233,8 @@ class DFlashDrafter(nn.Module):
 # a sharper q kept a little more (stage 5 drafter, HumanEval 40, target T=1, B=4, 2026-11-26: tau 1.53
 # at 0.7, 1.50 at 1.0). Under block verification q at the target's own temperature keeps the most: stage
 # 6 drafter, the same prompts (2026-11-28), tau 1.59 / 1.62 / 1.69 at 0.7 / 0.85 / 1.0, against 1.61 /
-# 1.63 at 0.7 / 1.0 token by token.
+# 1.63 at 0.7 / 1.0 token by token; a flatter q keeps less (fp32 target on the EPYC: 1.67 / 1.63 / 1.48 at
+# 1.0 / 1.3 / 1.6).
 DRAFT_TEMPERATURE_SCALE = 1.0
 # `--draft-sampling` values (see `DraftSampling.for_target`).
 DRAFT_SAMPLING_MODES = ("auto", "greedy", "sample")
