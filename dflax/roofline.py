@@ -11,7 +11,6 @@ Bench figures divided by these say how far from the machine's limit a step is.
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import time
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dflax.cpu_info import cpu_model_and_flags
 from dflax.cpu_kernels.few_rows_matmul import cpu_products
 from dflax.models.layers import dot_float32
 
@@ -30,18 +30,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 def machine_facts() -> dict[str, Any]:
     """What this process computes on: backend, devices, CPU model and its matmul-relevant flags, what takes
     a few rows' products on the CPU (`dflax.cpu_kernels.few_rows_matmul.cpu_products`), jax."""
-    model, flags = platform.processor(), set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if name.strip() == "model name":
-                    model = value.strip()
-                elif name.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
+    model, flags = cpu_model_and_flags()
     return {
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in jax.devices()],

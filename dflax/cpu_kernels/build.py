@@ -23,6 +23,7 @@ import jax
 import jaxlib
 
 from dflax.checkpoints.model_files import cache_dir
+from dflax.cpu_info import cpu_model_and_flags
 
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 
@@ -31,12 +32,7 @@ def cpu_has_avx2_fma() -> bool:
     """Whether this x86-64 CPU has AVX2 and FMA (read from /proc/cpuinfo; False elsewhere)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return {"avx2", "fma"} <= set(flags)
+    return {"avx2", "fma"} <= cpu_model_and_flags()[1]
 
 
 def library_path(source: Path) -> Path:
