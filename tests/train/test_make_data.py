@@ -306,3 +306,26 @@ def test_cli_make_data_on_sharegpt(tmp_path, tiny_target):
     assert len(load_sequences(out, "validation")) == 3
     with pytest.raises(FileNotFoundError, match="no 'train' data"):
         load_sequences(out, "train")
+
+
+COMMITTED = sorted(path.parent for path in (Path(__file__).parents[2] / "data").glob("*/manifest.json"))
+
+
+@pytest.mark.parametrize("data_dir", COMMITTED, ids=lambda p: p.name)
+def test_committed_data_matches_its_recipe_and_shards(data_dir):
+    """Each committed data directory was made by the recipe of its name (configs/data/<name>.json), so
+    `make-data` with that recipe resumes it, and its manifest counts what its shards hold."""
+    recipe = Path(__file__).parents[2] / "configs/data" / f"{data_dir.name}.json"
+    assert recipe.exists(), f"{data_dir} has no recipe {recipe}"
+    manifest = read_manifest(data_dir)
+    settings = make_data_module.DataConfig.from_json(recipe).generation_settings()
+    made = {k: v for k, v in manifest["generation"].items() if k != "stdlib_version"}
+    assert made == {k: v for k, v in settings.items() if k != "stdlib_version"}
+    for split, entry in manifest["splits"].items():
+        listed = sum(shard["sequences"] for shard in entry["shards"])
+        if entry["complete"]:
+            assert listed == entry["sequences"] == entry["planned"]
+        sequences = load_sequences(data_dir, split)
+        assert len(sequences) == listed
+        responses = sum(len(ids) - prompt_len for ids, prompt_len in sequences)
+        assert responses == sum(shard["response_tokens"] for shard in entry["shards"])
