@@ -308,17 +308,17 @@ def test_cli_make_data_on_sharegpt(tmp_path, tiny_target):
         load_sequences(out, "train")
 
 
-COMMITTED = sorted(path.parent for path in (Path(__file__).parents[2] / "data").glob("*/manifest.json"))
+COMMITTED = sorted(path.parent for path in (RECIPE.parents[2] / "data").glob("*/manifest.json"))
 
 
 @pytest.mark.parametrize("data_dir", COMMITTED, ids=lambda p: p.name)
 def test_committed_data_matches_its_recipe_and_shards(data_dir):
     """Each committed data directory was made by the recipe of its name (configs/data/<name>.json), so
     `make-data` with that recipe resumes it, and its manifest counts what its shards hold."""
-    recipe = Path(__file__).parents[2] / "configs/data" / f"{data_dir.name}.json"
+    recipe = RECIPE.parent / f"{data_dir.name}.json"
     assert recipe.exists(), f"{data_dir} has no recipe {recipe}"
     manifest = read_manifest(data_dir)
-    settings = make_data_module.DataConfig.from_json(recipe).generation_settings()
+    settings = DataConfig.from_json(recipe).generation_settings()
     made = {k: v for k, v in manifest["generation"].items() if k != "stdlib_version"}
     assert made == {k: v for k, v in settings.items() if k != "stdlib_version"}
     for split, entry in manifest["splits"].items():
