@@ -675,15 +675,16 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     # The shipped drafter was trained in stages with exactly the committed recipes: the first from the
     # target (RECIPE), each later one warm-started from the drafter before it (stages 2 and 3: the
     # -continue recipe; 4: -stage4, the same in bf16; 5: -stage5, with bf16 features and length
-    # buckets; 6: -stage6, the same recipe over the answers stage 5 did not see). The fields each stage
-    # records match, and any field added since holds the default that reproduces it.
+    # buckets; 6: -stage6, the same recipe over the answers stage 5 did not see; 8: -stage8, stage 5's
+    # answers again with T=1 answers and the parent's draft vocabulary; stage 7 was not shipped). The
+    # fields each stage records match, and any field added since holds the default that reproduces it.
     record = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
     stages = [record]
     while "warm_start" in stages[0]:
         stages.insert(0, stages[0]["warm_start"]["record"])
     continued = RECIPE.with_name("dflash-smollm2-continue.json")
     recipes = (RECIPE, continued, continued) + tuple(
-        RECIPE.with_name(f"dflash-smollm2-stage{stage}.json") for stage in (4, 5, 6)
+        RECIPE.with_name(f"dflash-smollm2-stage{stage}.json") for stage in (4, 5, 6, 8)
     )
     assert len(stages) <= len(recipes)
     for recipe_path, stage in zip(recipes, stages):
@@ -708,7 +709,8 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
 
 def test_pipeline_recipes_name_recipes_that_load():
     """Each committed pipeline names a data and a training recipe that load, for the same target; the
-    stages train on more and more answers, and stage 6 on all of them from where stage 5 stopped."""
+    stages train on more and more answers, stage 6 on all of them from where stage 5 stopped, and stage 8
+    on stage 5's answers again."""
     from dflax.train.make_data import DataConfig
     from dflax.train.pipeline import PipelineConfig
 
@@ -727,6 +729,7 @@ def test_pipeline_recipes_name_recipes_that_load():
     )
     assert [limits[stage] for stage in stages] == sorted({limits[stage] for stage in stages})
     assert limits["dflash-smollm2-stage6"] == (None, limits["dflash-smollm2-stage5"][0])
+    assert limits["dflash-smollm2-stage8"] == limits["dflash-smollm2-stage5"]
 
 
 def test_pipeline_data_directories_are_committed_not_ignored():
