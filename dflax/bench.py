@@ -328,6 +328,15 @@ def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> d
     }
 
 
+def _median_round(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's result over rounds: the round of median decode tokens/s (the lower one of the middle
+    two for an even count), with every round's tokens/s in run order under `round_tokens_per_s`."""
+    if len(summaries) == 1:
+        return summaries[0]
+    ranked = sorted(summaries, key=lambda s: s["tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "round_tokens_per_s": [s["tokens_per_s"] for s in summaries]}
+
+
 def _weights_read(params) -> int:
     """Parameters one forward reads: every leaf, less an embedding that is only gathered (untied head)."""
     sizes = {
@@ -430,6 +439,7 @@ def run_bench(
     refine_steps: int = 1,
     cps_modes: list[bool] | None = None,
     lookup_min_match: int | None = None,
+    rounds_per_method: int = 1,
 ) -> dict[str, Any]:
     """Benchmarks methods back to back on the same prompts and target.
 
@@ -473,6 +483,9 @@ def run_bench(
         diffusion LM directory (dflash uses the shipped drafter unless `drafter` is a DFlash directory).
       lookup_min_match: lookup verifies drafts only in steps where some row's last `min_match` tokens
         occurred before (0 = always); None = `DEFAULT_MIN_MATCH`. Lookup results record it as min_match.
+      rounds_per_method: run every method this many times, round by round (ar, dflash, ar, dflash, ...),
+        so that a slow drift of the machine's speed reaches every method alike; a result is then its round
+        of median tokens/s (see `_median_round`), and outputs and lossless_match are the first round's.
 
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "machine" (CPU model
@@ -485,8 +498,12 @@ def run_bench(
       target's logits there, see `dflax.divergence.first_differences`: near-ties show as gaps of a few
       hundredths).
       dflax's results add kv_cache_bytes (the allocated target KV cache, measured from the arrays) and
-      prefix_kv_bytes (the common prompt prefixes' part of it), summed over batches.
+      prefix_kv_bytes (the common prompt prefixes' part of it), summed over batches. With
+      rounds_per_method > 1 every result adds round_tokens_per_s (each round's, in run order) and, beside
+      ar, round_speedups (round i over ar's round i).
     """
+    if rounds_per_method < 1:
+        raise ValueError(f"rounds per method must be >= 1, got {rounds_per_method}")
     shared_prefix = shared_prefix or ["none"]
     if any(m not in ("none", "auto") for m in shared_prefix):
         raise ValueError(f"shared_prefix modes are none and auto, got {shared_prefix}")
@@ -596,19 +613,26 @@ def run_bench(
     outputs, results = {}, []
     with Progress(console=console, disable=console is None) as progress:
         for rows in batch_sizes:
-            for method, runner in runners.items():
-                task = progress.add_task(f"{method} batch {rows}", total=len(prompt_ids))
-                tokens, per_batch = runner(
-                    loaded,
-                    prompt_ids,
-                    max_new_tokens,
-                    temperature,
-                    rows,
-                    seed,
-                    lambda k, task=task: progress.advance(task, k),
-                )
-                outputs[method, rows] = tokens
-                result = {**_summary(method, rows, per_batch), **settings[method]}
+            rounds: dict[str, list[dict[str, Any]]] = {method: [] for method in runners}
+            for round_index in range(rounds_per_method):
+                for method, runner in runners.items():
+                    label = f"{method} batch {rows}"
+                    if rounds_per_method > 1:
+                        label += f", round {round_index + 1}/{rounds_per_method}"
+                    task = progress.add_task(label, total=len(prompt_ids))
+                    tokens, per_batch = runner(
+                        loaded,
+                        prompt_ids,
+                        max_new_tokens,
+                        temperature,
+                        rows,
+                        seed,
+                        lambda k, task=task: progress.advance(task, k),
+                    )
+                    outputs.setdefault((method, rows), tokens)
+                    rounds[method].append(_summary(method, rows, per_batch))
+            for method, summaries in rounds.items():
+                result = {**_median_round(summaries), **settings[method]}
                 if result["step_s"]:
                     result["step_vs_floor"] = result["step_s"] / step_floor_s(
                         roofline, min(rows, len(prompt_ids))
@@ -620,6 +644,10 @@ def run_bench(
             continue
         r["ar_tokens_per_s"] = ar["tokens_per_s"]
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
+        if rounds_per_method > 1:  # round i against ar's round i, which ran just before it
+            r["round_speedups"] = [
+                x / a if a else None for x, a in zip(r["round_tokens_per_s"], ar["round_tokens_per_s"])
+            ]
         if temperature == 0:
             reference, got = outputs["ar", r["batch_size"]], outputs[r["method"], r["batch_size"]]
             r["lossless_match"] = float(np.mean([a == b for a, b in zip(reference, got)]))
@@ -641,6 +669,7 @@ def run_bench(
         "block_sizes": sizes,
         "tree_budgets": tree_budgets or [0],
         "refill_every": refill_every or [0],
+        "rounds_per_method": rounds_per_method,
         "roofline": roofline,
         "projection": projection.DESCRIPTION,
         "results": results,

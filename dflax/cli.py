@@ -602,6 +602,13 @@ def bench(
         "prefixes, the latter reported as METHOD-shared with prefix KV bytes). " + _SHARED_PREFIX_HELP,
     ),
     system_prompt: Path = typer.Option(None, help=_SYSTEM_PROMPT_HELP),
+    rounds: int = typer.Option(
+        1,
+        min=1,
+        help="run every method this many times, round by round (ar, dflash, ar, dflash, ...); each "
+        "result is its median round, speedups divide medians and round_speedups lists round i over ar's "
+        "round i",
+    ),
 ) -> None:
     """Measure decode tokens/s of methods on one prompt set, back to back in one run."""
     from dflax.bench import BENCH_METHODS, run_bench
@@ -668,6 +675,7 @@ def bench(
             refine_steps=refine_steps,
             cps_modes=[c == "on" for c in cps_modes],
             lookup_min_match=min_match,
+            rounds_per_method=rounds,
         )
     except (ValueError, ImportError, FileNotFoundError) as e:
         _fail(str(e))

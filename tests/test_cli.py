@@ -195,6 +195,26 @@ def test_bench_runs_several_block_sizes_in_one_run(tmp_path, target_dir):
     assert sum(by_method["dflash-b4"]["accept_hist"]) > 0
 
 
+def test_bench_rounds_report_the_median_round_and_round_by_round_speedups(tmp_path, target_dir):
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    write_jsonl(prompts, PROMPTS[:2])
+    args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "ar,dflash"]
+    args += ["--drafter", "untrained", "--block-size", "2", "--max-new-tokens", "5", "--json", str(report)]
+    assert runner.invoke(app, [*args, "--rounds", "0"]).exit_code == 2
+    result = runner.invoke(app, [*args, "--rounds", "3"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["rounds_per_method"] == 3
+    ar, dflash = data["results"]
+    for r in (ar, dflash):
+        assert len(r["round_tokens_per_s"]) == 3
+        assert r["tokens_per_s"] == sorted(r["round_tokens_per_s"])[1]  # the median round
+        assert r["lossless_match"] == 1.0
+    assert dflash["speedup"] == pytest.approx(dflash["tokens_per_s"] / ar["tokens_per_s"])
+    expected = [x / a for x, a in zip(dflash["round_tokens_per_s"], ar["round_tokens_per_s"])]
+    assert dflash["round_speedups"] == pytest.approx(expected)
+
+
 def test_lookup_and_dflash_trees_match_ar(tmp_path, target_dir):
     prompts = tmp_path / "p.jsonl"
     write_jsonl(prompts, PROMPTS)
