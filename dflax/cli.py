@@ -24,10 +24,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 @app.callback()
 def _process_settings() -> None:
-    """Every command: freed large host buffers go back to the system (dflax.host_memory)."""
-    from dflax.host_memory import return_large_buffers
+    """Every command: glibc's malloc set for XLA's temporaries (dflax.host_memory)."""
+    from dflax.host_memory import configure_malloc
 
-    return_large_buffers()
+    configure_malloc()
 
 
 # Messages are not wrapped at the console width: paths and error lines stay whole in logs and pipes.

@@ -37,7 +37,7 @@ from dflax.generation import (
     prompt_bucket,
     result_of_row,
 )
-from dflax.host_memory import return_large_buffers
+from dflax.host_memory import configure_malloc, release_free_memory
 from dflax.models.transformer import Transformer
 from dflax.target import Target
 
@@ -165,7 +165,7 @@ def generate_continuous(
       One result per prompt, in prompt order. Each result's `prefill_s` is its refill's prefill time and
       `decode_s` the wall time from then to its end (other rows' refills included).
     """
-    return_large_buffers()  # refills run many program shapes: keep their freed temporaries off the heap
+    configure_malloc()  # a chunk reuses its temporaries; refills give the heap's free pages back
     n = len(prompt_ids)
     rows = min(batch_size, next_pow2(n))  # as static batches: a power of two
     proposer = drafter.proposer if drafter else None
@@ -221,6 +221,7 @@ def generate_continuous(
                 targets[: len(joining)] = list(joining)
                 state = write_fn(state, fresh, jnp.asarray(targets))
             jax.block_until_ready(state)
+            release_free_memory()  # refills run many program shapes: their freed temporaries go back
             t1 = time.perf_counter()
             totals["prefill_s"] += t1 - t0
             totals["refills"] += 1
