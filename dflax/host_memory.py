@@ -33,13 +33,11 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt, libc.malloc_trim  # noqa: B018 (both exist only in glibc)
-    except (OSError, AttributeError, TypeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
         return None
-    return libc
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None  # glibc's own
 
 
 @functools.cache
