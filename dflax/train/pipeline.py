@@ -27,6 +27,12 @@ from dflax.train.report import METRICS, TRAINING_RECORD, read_metrics, validatio
 from dflax.train.trainer import TrainConfig, TrainResult, train
 
 
+def check_train_skip(train_skip: int, train_limit: int | None):
+    """Raises ValueError unless 0 <= train_skip < train_limit (any train_skip >= 0 without a limit)."""
+    if train_skip < 0 or (train_limit is not None and train_skip >= train_limit):
+        raise ValueError(f"train_skip must be >= 0 and below train_limit ({train_limit}), got {train_skip}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExtraData:
     """More training answers from another data recipe, appended after the main data's.
@@ -35,11 +41,16 @@ class ExtraData:
       data_config: path of the data recipe (configs/data/*.json), for the pipeline's target.
       data_dir: where make-data writes its shards (a directory of its own: one recipe per directory).
       train_limit: its training prompts to answer and train on (None = the whole split).
+      train_skip: how many of its first training answers to leave out (answers an earlier stage saw).
     """
 
     data_config: str
     data_dir: str
     train_limit: int | None = None
+    train_skip: int = 0
+
+    def __post_init__(self):
+        check_train_skip(self.train_skip, self.train_limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +82,7 @@ class PipelineConfig:
     extra_data: tuple[ExtraData, ...] = ()
 
     def __post_init__(self):
-        if self.train_skip < 0 or (self.train_limit is not None and self.train_skip >= self.train_limit):
-            raise ValueError(
-                f"train_skip must be >= 0 and below train_limit ({self.train_limit}), got {self.train_skip}"
-            )
+        check_train_skip(self.train_skip, self.train_limit)
         extra = tuple(
             x if isinstance(x, ExtraData) else build_recipe(ExtraData, x, "extra_data")
             for x in self.extra_data
@@ -98,14 +106,15 @@ def training_record(
     config: TrainConfig,
     result: TrainResult,
     splits: dict[str, list],
-    extra: list[tuple[Path, list]] | None = None,
+    extra: list[tuple[Path, list, int]] | None = None,
     train_skip: int = 0,
 ) -> dict:
     """What the shipped drafter was trained on, how long it took, how validation went and where it started.
 
     The data: the generation recipe from the manifest and the counts of the sequences in `splits` that
     training saw (and `train_skip`, the main data's first answers left out); with `extra` ([(data
-    directory, its training sequences)]), each extra directory's recipe and the counts of its share.
+    directory, its training sequences, its train_skip)]), each extra directory's recipe and the counts
+    of its share (and its train_skip, when it left answers out).
     Then the steps, wall time, validation history (metrics.jsonl) and, for a warm start, the record of
     the drafter it started from."""
     manifest = read_manifest(data_dir) or {}
@@ -116,8 +125,12 @@ def training_record(
         data["train_skip"] = train_skip
     if extra:
         data["extra"] = [
-            {"generation": (read_manifest(d) or {}).get("generation"), "train": split_counts(seqs)}
-            for d, seqs in extra
+            {
+                "generation": (read_manifest(d) or {}).get("generation"),
+                "train": split_counts(seqs),
+                **({"train_skip": skip} if skip else {}),
+            }
+            for d, seqs, skip in extra
         ]
     return {
         "data": data,
@@ -160,11 +173,12 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
     # validate on the first `max_val_sequences` of the held-out ones (what the trainer takes).
     held_out = load_sequences(data_dir, "validation", pipeline.validation_limit)
     extra_sequences = [
-        (Path(e.data_dir), load_sequences(e.data_dir, "train", e.train_limit)) for e in pipeline.extra_data
+        (Path(e.data_dir), load_sequences(e.data_dir, "train", e.train_limit)[e.train_skip :], e.train_skip)
+        for e in pipeline.extra_data
     ]
     main = load_sequences(data_dir, "train", pipeline.train_limit)[pipeline.train_skip :]
     splits = {
-        "train": main + [sequence for _, sequences in extra_sequences for sequence in sequences],
+        "train": main + [sequence for _, sequences, _ in extra_sequences for sequence in sequences],
         "validation": held_out[: train_config.max_val_sequences],
     }
     result = train(train_config, target, splits["train"], splits["validation"], run_dir, console=console)

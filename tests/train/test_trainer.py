@@ -761,6 +761,8 @@ def test_pipeline_extra_data_and_train_skip_are_checked():
         PipelineConfig(**base, extra_data=[{**extra, "limit": 3}])
     with pytest.raises(ValueError, match="train_skip must be >= 0 and below train_limit \\(8\\), got 8"):
         PipelineConfig(**base, train_limit=8, train_skip=8)
+    with pytest.raises(ValueError, match="train_skip must be >= 0 and below train_limit \\(3\\), got 3"):
+        PipelineConfig(**base, extra_data=[{**extra, "train_limit": 3, "train_skip": 3}])
 
 
 def test_pipeline_refuses_a_data_recipe_for_another_target_before_loading_anything(tmp_path):
@@ -949,6 +951,7 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
                         "data_config": str(classes_recipe),
                         "data_dir": str(tmp_path / "classes"),
                         "train_limit": 3,
+                        "train_skip": 1,
                     }
                 ],
             }
@@ -965,12 +968,13 @@ def test_cli_pipeline_makes_data_trains_ships_and_resumes(tiny_checkpoint, tmp_p
     assert json.loads((tmp_path / "data/manifest.json").read_text())["splits"]["train"]["sequences"] == 12
     record = json.loads((ship / "TRAINING.json").read_text())
     assert record["steps"] == 4 and record["train_wall_s"] > 0
-    # It counts what training used: 8 - 2 + 3 answers, and 3 of the 4 held-out ones (max_val_sequences).
-    assert record["data"]["train"]["sequences"] == 9 and record["data"]["validation"]["sequences"] == 3
+    # It counts what training used: 8 - 2 + 3 - 1 answers, and 3 of the 4 held-out ones (max_val_sequences).
+    assert record["data"]["train"]["sequences"] == 8 and record["data"]["validation"]["sequences"] == 3
     assert record["data"]["train_skip"] == 2
     assert record["data"]["train"]["response_tokens"] > 0
     (extra,) = record["data"]["extra"]
-    assert extra["generation"]["sources"] == ["stdlib-classes"] and extra["train"]["sequences"] == 3
+    assert extra["generation"]["sources"] == ["stdlib-classes"] and extra["train"]["sequences"] == 2
+    assert extra["train_skip"] == 1
     classes = json.loads((tmp_path / "classes/manifest.json").read_text())["splits"]
     assert list(classes) == ["train"] and classes["train"]["sequences"] == 3
     assert record["final_validation"]["step"] == 4 and record["train"]["block_size"] == 8
