@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -106,6 +107,83 @@ void OutputRange(const float* x, const W* w, float* out, int64_t M, int64_t K, i
   for (; o < end; ++o) AllRows<1>(x, w, out, M, K, O, o);
 }
 
+// With AVX-512 BF16 (Zen 4 and later, Xeons since Cooper Lake) bf16 rows times bf16 weights take vdpbf16ps:
+// 32 products a vector, accumulated in float32 pairwise, from 512-bit loads of both operands, and no
+// widening of the weights. These functions are compiled for that extension only (the rest of the file stays
+// AVX2); Python calls them only on a CPU that reports it.
+#define DFLAX_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+constexpr int64_t kDotWeightRowsPerTile = 4;  // 16 accumulators, 4 weight vectors, 1 row vector of 32
+constexpr int64_t kDotLanes = 32;             // bf16 values a 512-bit vector holds
+
+DFLAX_AVX512_BF16 inline __m512bh LoadPairs(const uint16_t* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+// As `Tile`, for bf16 rows: R rows of x ([R, K] bf16) times U bf16 weight rows starting at output o.
+template <int R, int U>
+DFLAX_AVX512_BF16 inline void DotTile(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t O,
+                                      int64_t o, const char* ahead, int64_t ahead_stride) {
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  const bool two_lines = ahead_stride > kLineBytes;
+  for (int64_t k = 0; k < K; k += kDotLanes, ahead += ahead_stride) {
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    if (two_lines) _mm_prefetch(ahead + kLineBytes, _MM_HINT_T0);
+    __m512bh wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = LoadPairs(w + (o + u) * K + k);
+    for (int r = 0; r < R; ++r) {
+      __m512bh xv = LoadPairs(x + r * K + k);
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], xv, wv[u]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) out[r * O + o + u] = _mm512_reduce_add_ps(acc[r][u]);
+}
+
+// As `AllRows`, for bf16 rows.
+template <int U>
+DFLAX_AVX512_BF16 void DotAllRows(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K,
+                                  int64_t O, int64_t o) {
+  const int64_t tiles = (M + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
+  const int64_t steps = K / kDotLanes;
+  const int64_t share = U * K * static_cast<int64_t>(sizeof(uint16_t)) / tiles;
+  const int64_t stride = (share + steps - 1) / steps;
+  const char* ahead = reinterpret_cast<const char*>(w + (o + kPrefetchGroups * U) * K);
+  int64_t r = 0;
+  for (; r + kMaxRowsPerTile <= M; r += kMaxRowsPerTile, ahead += share)
+    DotTile<kMaxRowsPerTile, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride);
+  switch (M - r) {
+    case 3: DotTile<3, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride); break;
+    case 2: DotTile<2, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride); break;
+    case 1: DotTile<1, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride); break;
+    default: break;
+  }
+}
+
+DFLAX_AVX512_BF16 void DotOutputRange(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K,
+                                      int64_t O, int64_t begin, int64_t end) {
+  int64_t o = begin;
+  for (; o + kDotWeightRowsPerTile <= end; o += kDotWeightRowsPerTile)
+    DotAllRows<kDotWeightRowsPerTile>(x, w, out, M, K, O, o);
+  for (; o < end; ++o) DotAllRows<1>(x, w, out, M, K, O, o);
+}
+
+// Rows as given (float32 for `Tile`, bf16 for `DotTile`): which range function a call runs.
+inline void Range(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t O, int64_t b,
+                  int64_t e) {
+  OutputRange(x, w, out, M, K, O, b, e);
+}
+inline void Range(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t O, int64_t b,
+                  int64_t e) {
+  OutputRange(x, w, out, M, K, O, b, e);
+}
+inline void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t O,
+                  int64_t b, int64_t e) {
+  DotOutputRange(x, w, out, M, K, O, b, e);
+}
+
 // Chunks of outputs handed out by an atomic counter to the calling thread and to pool tasks; the caller
 // waits only for chunks a task has already taken, so a task the pool starts late finds nothing to do and a
 // busy pool never blocks the call.
@@ -115,20 +193,21 @@ struct Work {
   int64_t chunks = 0;
 };
 
-template <typename W>
-void RunChunks(Work& work, const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t O) {
+template <typename X, typename W>
+void RunChunks(Work& work, const X* x, const W* w, float* out, int64_t M, int64_t K, int64_t O) {
   for (int64_t c; (c = work.next.fetch_add(1)) < work.chunks;) {
     int64_t begin = c * kOutputsPerChunk;
-    OutputRange(x, w, out, M, K, O, begin, std::min(O, begin + kOutputsPerChunk));
+    Range(x, w, out, M, K, O, begin, std::min(O, begin + kOutputsPerChunk));
     work.done.fetch_add(1, std::memory_order_release);
   }
 }
 
-template <typename W>
-ffi::Error FewRowsMatmul(ffi::ThreadPool pool, const float* x, const W* w, float* out, int64_t M, int64_t K,
+template <typename X, typename W>
+ffi::Error FewRowsMatmul(ffi::ThreadPool pool, const X* x, const W* w, float* out, int64_t M, int64_t K,
                          int64_t O) {
-  if (K % 8 != 0)
-    return ffi::Error::InvalidArgument("few_rows_matmul: the contraction must be a multiple of 8");
+  const int64_t multiple = sizeof(X) == 2 ? kDotLanes : 8;
+  if (K % multiple != 0)
+    return ffi::Error::InvalidArgument("few_rows_matmul: the contraction must be a multiple of 8 (32 for bf16 rows)");
   auto work = std::make_shared<Work>();
   work->chunks = (O + kOutputsPerChunk - 1) / kOutputsPerChunk;
   int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks) - 1;
@@ -139,24 +218,31 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, const float* x, const W* w, float
   return ffi::Error::Success();
 }
 
-// The FFI handler for weights of dtype W (float32 or bf16): x [M, K] and the result [M, O] are float32.
-template <ffi::DataType W>
-ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<W> w,
-                   ffi::ResultBuffer<ffi::F32> out) {
-  return FewRowsMatmul(pool, x.typed_data(), w.typed_data(), out->typed_data(), x.dimensions()[0],
+// The FFI handler for rows of dtype X and weights of dtype W (float32 x float32, float32 x bf16, or bf16 x
+// bf16 on AVX-512 BF16): x [M, K], w [O, K], and the result [M, O] float32. bf16 buffers hold uint16 bits.
+template <ffi::DataType X, ffi::DataType W>
+ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<X> x, ffi::Buffer<W> w, ffi::ResultBuffer<ffi::F32> out) {
+  using XBits = std::conditional_t<X == ffi::BF16, uint16_t, float>;
+  using WBits = std::conditional_t<W == ffi::BF16, uint16_t, float>;
+  return FewRowsMatmul(pool, reinterpret_cast<const XBits*>(x.untyped_data()),
+                       reinterpret_cast<const WBits*>(w.untyped_data()), out->typed_data(), x.dimensions()[0],
                        x.dimensions()[1], w.dimensions()[0]);
 }
 
-template <ffi::DataType W>
+template <ffi::DataType X, ffi::DataType W>
 auto Binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-      .Arg<ffi::Buffer<W>>()         // w [O, K]
-      .template Ret<ffi::Buffer<ffi::F32>>();  // out [M, O] (`template`: the builder type depends on W)
+      .Arg<ffi::Buffer<X>>()  // x [M, K]
+      .template Arg<ffi::Buffer<W>>()  // w [O, K] (`template`: the builder type depends on X and W)
+      .template Ret<ffi::Buffer<ffi::F32>>();  // out [M, O]
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dflax_few_rows_matmul_f32, Handler<ffi::F32>, Binding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dflax_few_rows_matmul_bf16, Handler<ffi::BF16>, Binding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dflax_few_rows_matmul_f32, (Handler<ffi::F32, ffi::F32>),
+                              (Binding<ffi::F32, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dflax_few_rows_matmul_bf16, (Handler<ffi::F32, ffi::BF16>),
+                              (Binding<ffi::F32, ffi::BF16>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dflax_few_rows_matmul_bf16_dot, (Handler<ffi::BF16, ffi::BF16>),
+                              (Binding<ffi::BF16, ffi::BF16>()));

@@ -11,9 +11,11 @@ import pytest
 from dflax.cpu_kernels import build
 from dflax.cpu_kernels.few_rows_matmul import (
     MAX_ROWS,
+    cpu_has_avx512_bf16,
     few_rows_matmul,
     few_rows_matmul_applies,
     few_rows_matmul_reference,
+    takes_bf16_rows,
 )
 from dflax.models.layers import dot_float32
 
@@ -47,6 +49,27 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(dtype):
     for count in (1, 2, 3, 5, 8):
         np.testing.assert_array_equal(np.asarray(jax.jit(few_rows_matmul)(x[:count], w)), together[:count])
     np.testing.assert_array_equal(np.asarray(jax.jit(few_rows_matmul)(x[7:8], w)), together[7:8])
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the bf16 path is for CPUs with AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
+def test_bf16_rows_take_the_bf16_path_and_match_the_widened_product(rows):
+    # bf16 products are exact in float32, so only the order of the float32 sums differs from the widening
+    # path and from XLA's product; 100 outputs: tiles of 4 weight rows, one chunk of 48 ends mid-tile.
+    x, w = _operands(rows, 576, 100, jnp.bfloat16, seed=2)
+    assert takes_bf16_rows(x, w) and not takes_bf16_rows(x.astype(jnp.float32), w)
+    got = np.asarray(jax.jit(few_rows_matmul)(x, w))
+    widened = np.asarray(jax.jit(few_rows_matmul)(x.astype(jnp.float32), w))
+    assert not np.array_equal(got, widened)  # a different path, not the widening one again
+    np.testing.assert_allclose(got, widened, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, few_rows_matmul_reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_rows_of_a_width_off_32_are_widened():
+    x, w = _operands(4, 72, 16, jnp.bfloat16)  # a multiple of 8, not of 32
+    assert few_rows_matmul_applies(x, w) and not takes_bf16_rows(x, w)
+    got = jax.jit(few_rows_matmul)(x, w)
+    np.testing.assert_allclose(got, few_rows_matmul_reference(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_products_it_does_not_take():
