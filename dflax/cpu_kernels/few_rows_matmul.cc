@@ -127,10 +127,10 @@ DFLAX_AVX512_BF16 inline void DotTile(const uint16_t* x, const uint16_t* w, floa
   __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
-  const bool two_lines = ahead_stride > kLineBytes;
+  // A k step reads a whole line of each weight row: one tile's share can be several lines a step.
+  const int64_t lines = (ahead_stride + kLineBytes - 1) / kLineBytes;
   for (int64_t k = 0; k < K; k += kDotLanes, ahead += ahead_stride) {
-    _mm_prefetch(ahead, _MM_HINT_T0);
-    if (two_lines) _mm_prefetch(ahead + kLineBytes, _MM_HINT_T0);
+    for (int64_t line = 0; line < lines; ++line) _mm_prefetch(ahead + line * kLineBytes, _MM_HINT_T0);
     __m512bh wv[U];
     for (int u = 0; u < U; ++u) wv[u] = LoadPairs(w + (o + u) * K + k);
     for (int r = 0; r < R; ++r) {
