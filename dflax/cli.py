@@ -342,7 +342,9 @@ def generate(
     truncate: bool = typer.Option(
         False, "--truncate", help="keep the last tokens of prompts that do not fit"
     ),
-    dtype: str = typer.Option(None, help="float32 (CPU default) or bfloat16"),
+    dtype: str = typer.Option(
+        None, help="float32 (CPU default) or bfloat16 (about 1.5x faster on CPUs with AVX-512 BF16)"
+    ),
     num_shards: int = typer.Option(
         1, help="split --prompts into K shards by id (one process per shard, each with its own --out)"
     ),
@@ -589,7 +591,9 @@ def bench(
     plot: Path = typer.Option(
         None, "--plot", help="draw accepted lengths, tau/speedup per block size and the cost curve (PNG)"
     ),
-    dtype: str = typer.Option(None, help="target dtype of dflax's methods: float32 (CPU default), bfloat16"),
+    dtype: str = typer.Option(
+        None, help="dflax's target dtype: float32 (CPU default), bfloat16 (faster with AVX-512 BF16)"
+    ),
     mesh: str = typer.Option(None, help=_MESH_HELP),
     refill_every: str = typer.Option(
         "0",
