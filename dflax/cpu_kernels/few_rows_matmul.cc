@@ -1,5 +1,6 @@
 // out[r, o] = sum_k x[r, k] * w[o, k] for a few rows x [M, K] and a weight w [O, K] stored as in PyTorch
-// checkpoints ([out, in]), float32 results, for x86 CPUs with AVX2 and FMA.
+// checkpoints ([out, in]), float32 results, for x86 CPUs with AVX2 and FMA (and bf16 rows times bf16
+// weights with AVX-512 BF16, below).
 //
 // XLA's CPU products for 2-16 rows read a weight at 3-6 GB/s on AVX2 CPUs (YNNPACK, Eigen, oneDNN and
 // OpenBLAS alike), a third of the memory bandwidth, while one row (Eigen's matrix-vector product) runs near
@@ -7,10 +8,10 @@
 // times three weight rows keeps its twelve float32 accumulators in registers, and further row tiles reread
 // the three weight rows from L1. The output rows are split in chunks over XLA's intra-op thread pool.
 //
-// Every result is one fixed sequence of 8-lane FMAs over k followed by one fixed horizontal sum, whatever
-// M, the row tile or the thread: a row's result does not depend on the other rows (batch invariance), so a
-// target verifying a block computes each position's logits exactly as decoding it alone would (up to
-// the attention).
+// Every result is one fixed sequence of 8-lane FMAs (32-lane bf16 pair products) over k followed by one
+// fixed horizontal sum, whatever M, the row tile or the thread: a row's result does not depend on the other
+// rows (batch invariance), so a target verifying a block computes each position's logits exactly as
+// decoding it alone would (up to the attention).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -30,7 +31,7 @@ namespace {
 // EPYC, 2026-11-28: 65 / 103 -> 55 / 83 ms).
 constexpr int64_t kWeightRowsPerTile = 3;
 constexpr int64_t kMaxRowsPerTile = 4;
-constexpr int64_t kOutputsPerChunk = 48;  // a multiple of every tile's weight rows (3, and 4 for one row)
+constexpr int64_t kOutputsPerChunk = 48;  // a multiple of every tile's weight rows (3, 4 for one row or bf16)
 // Weight rows are prefetched this many groups of weight rows ahead, by all row tiles in equal shares (the
 // first row tile alone prefetching a group left the memory idle while the others computed: 16 rows of the
 // same weights 53-56 -> 42-45 ms).
@@ -170,12 +171,9 @@ DFLAX_AVX512_BF16 void DotOutputRange(const uint16_t* x, const uint16_t* w, floa
   for (; o < end; ++o) DotAllRows<1>(x, w, out, M, K, O, o);
 }
 
-// Rows as given (float32 for `Tile`, bf16 for `DotTile`): which range function a call runs.
-inline void Range(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t O, int64_t b,
-                  int64_t e) {
-  OutputRange(x, w, out, M, K, O, b, e);
-}
-inline void Range(const float* x, const uint16_t* w, float* out, int64_t M, int64_t K, int64_t O, int64_t b,
+// Which range function a call runs: float32 rows go through `Tile`, bf16 rows through `DotTile`.
+template <typename W>
+inline void Range(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t O, int64_t b,
                   int64_t e) {
   OutputRange(x, w, out, M, K, O, b, e);
 }
@@ -207,7 +205,8 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, const X* x, const W* w, float* ou
                          int64_t O) {
   const int64_t multiple = sizeof(X) == 2 ? kDotLanes : 8;
   if (K % multiple != 0)
-    return ffi::Error::InvalidArgument("few_rows_matmul: the contraction must be a multiple of 8 (32 for bf16 rows)");
+    return ffi::Error::InvalidArgument(
+        "few_rows_matmul: the contraction must be a multiple of 8 (of 32 for bf16 rows)");
   auto work = std::make_shared<Work>();
   work->chunks = (O + kOutputsPerChunk - 1) / kOutputsPerChunk;
   int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks) - 1;
@@ -221,7 +220,8 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, const X* x, const W* w, float* ou
 // The FFI handler for rows of dtype X and weights of dtype W (float32 x float32, float32 x bf16, or bf16 x
 // bf16 on AVX-512 BF16): x [M, K], w [O, K], and the result [M, O] float32. bf16 buffers hold uint16 bits.
 template <ffi::DataType X, ffi::DataType W>
-ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<X> x, ffi::Buffer<W> w, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<X> x, ffi::Buffer<W> w,
+                   ffi::ResultBuffer<ffi::F32> out) {
   using XBits = std::conditional_t<X == ffi::BF16, uint16_t, float>;
   using WBits = std::conditional_t<W == ffi::BF16, uint16_t, float>;
   return FewRowsMatmul(pool, reinterpret_cast<const XBits*>(x.untyped_data()),
