@@ -65,6 +65,13 @@ def test_bf16_rows_take_the_bf16_path_and_match_the_widened_product(rows):
     np.testing.assert_allclose(got, few_rows_matmul_reference(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the bf16 path is for CPUs with AVX-512 BF16")
+def test_a_bf16_models_products_take_the_bf16_path():
+    x, w = _operands(4, 64, 48, jnp.bfloat16)
+    hlo = jax.jit(dot_float32).lower(x, w).compile().as_text()
+    assert "dflax_few_rows_matmul_bf16_dot" in hlo
+
+
 def test_bf16_rows_of_a_width_off_32_are_widened():
     x, w = _operands(4, 72, 16, jnp.bfloat16)  # a multiple of 8, not of 32
     assert few_rows_matmul_applies(x, w) and not takes_bf16_rows(x, w)
