@@ -76,13 +76,55 @@ inline void Tile(const float* x, const W* w, float* out, int64_t K, int64_t O, i
     for (int u = 0; u < U; ++u) out[r * O + o + u] = HorizontalSum(acc[r][u]);
 }
 
-// Every row of x times U weight rows starting at output o, in row tiles; the tiles prefetch the weight
-// rows kPrefetchGroups groups ahead in equal shares.
-template <int U, typename W>
-void AllRows(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t O, int64_t o) {
+// With AVX-512 BF16 (Zen 4 and later, Xeons since Cooper Lake) bf16 rows times bf16 weights take vdpbf16ps:
+// 32 products a vector, accumulated in float32 pairwise, from 512-bit loads of both operands, and no
+// widening of the weights. These functions are compiled for that extension only (the rest of the file stays
+// AVX2); Python calls them only on a CPU that reports it.
+#define DFLAX_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+constexpr int64_t kDotWeightRowsPerTile = 4;  // 16 accumulators, 4 weight vectors, 1 row vector of 32
+constexpr int64_t kDotLanes = 32;             // bf16 values a 512-bit vector holds
+
+DFLAX_AVX512_BF16 inline __m512bh LoadPairs(const uint16_t* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+// `Tile` for bf16 rows: R rows of x ([R, K] bf16) times U bf16 weight rows starting at output o.
+template <int R, int U>
+DFLAX_AVX512_BF16 inline void Tile(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t O,
+                                      int64_t o, const char* ahead, int64_t ahead_stride) {
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  // A k step reads a whole line of each weight row: one tile's share can be several lines a step.
+  const int64_t lines = (ahead_stride + kLineBytes - 1) / kLineBytes;
+  for (int64_t k = 0; k < K; k += kDotLanes, ahead += ahead_stride) {
+    for (int64_t line = 0; line < lines; ++line) _mm_prefetch(ahead + line * kLineBytes, _MM_HINT_T0);
+    __m512bh wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = LoadPairs(w + (o + u) * K + k);
+    for (int r = 0; r < R; ++r) {
+      __m512bh xv = LoadPairs(x + r * K + k);
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], xv, wv[u]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) out[r * O + o + u] = _mm512_reduce_add_ps(acc[r][u]);
+}
+
+// Values of x a k step covers: 8 float32 rows (AVX2), 32 bf16 rows (AVX-512).
+template <typename X>
+constexpr int64_t kLanes = sizeof(X) == 2 ? kDotLanes : 8;
+
+// Every row of x times U weight rows starting at output o, in row tiles (`Tile` for float32 rows, its bf16
+// overload for bf16 ones); the tiles prefetch the weight rows kPrefetchGroups groups ahead in equal
+// shares. Always inlined, so in the bf16 range function, compiled for AVX-512 BF16, the bf16 tiles inline.
+template <int U, typename X, typename W>
+__attribute__((always_inline)) inline void AllRows(const X* x, const W* w, float* out, int64_t M, int64_t K,
+                                                   int64_t O, int64_t o) {
   const int64_t tiles = (M + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
+  const int64_t steps = K / kLanes<X>;
   const int64_t share = U * K * static_cast<int64_t>(sizeof(W)) / tiles;  // bytes each tile prefetches
-  const int64_t stride = (share + K / 8 - 1) / (K / 8);                    // bytes per k step
+  const int64_t stride = (share + steps - 1) / steps;                      // bytes per k step
   const char* ahead = reinterpret_cast<const char*>(w + (o + kPrefetchGroups * U) * K);
   int64_t r = 0;
   for (; r + kMaxRowsPerTile <= M; r += kMaxRowsPerTile, ahead += share)
@@ -108,70 +150,15 @@ void OutputRange(const float* x, const W* w, float* out, int64_t M, int64_t K, i
   for (; o < end; ++o) AllRows<1>(x, w, out, M, K, O, o);
 }
 
-// With AVX-512 BF16 (Zen 4 and later, Xeons since Cooper Lake) bf16 rows times bf16 weights take vdpbf16ps:
-// 32 products a vector, accumulated in float32 pairwise, from 512-bit loads of both operands, and no
-// widening of the weights. These functions are compiled for that extension only (the rest of the file stays
-// AVX2); Python calls them only on a CPU that reports it.
-#define DFLAX_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-
-constexpr int64_t kDotWeightRowsPerTile = 4;  // 16 accumulators, 4 weight vectors, 1 row vector of 32
-constexpr int64_t kDotLanes = 32;             // bf16 values a 512-bit vector holds
-
-DFLAX_AVX512_BF16 inline __m512bh LoadPairs(const uint16_t* p) {
-  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
-}
-
-// As `Tile`, for bf16 rows: R rows of x ([R, K] bf16) times U bf16 weight rows starting at output o.
-template <int R, int U>
-DFLAX_AVX512_BF16 inline void DotTile(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t O,
-                                      int64_t o, const char* ahead, int64_t ahead_stride) {
-  __m512 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
-  // A k step reads a whole line of each weight row: one tile's share can be several lines a step.
-  const int64_t lines = (ahead_stride + kLineBytes - 1) / kLineBytes;
-  for (int64_t k = 0; k < K; k += kDotLanes, ahead += ahead_stride) {
-    for (int64_t line = 0; line < lines; ++line) _mm_prefetch(ahead + line * kLineBytes, _MM_HINT_T0);
-    __m512bh wv[U];
-    for (int u = 0; u < U; ++u) wv[u] = LoadPairs(w + (o + u) * K + k);
-    for (int r = 0; r < R; ++r) {
-      __m512bh xv = LoadPairs(x + r * K + k);
-      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], xv, wv[u]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) out[r * O + o + u] = _mm512_reduce_add_ps(acc[r][u]);
-}
-
-// As `AllRows`, for bf16 rows.
-template <int U>
-DFLAX_AVX512_BF16 void DotAllRows(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K,
-                                  int64_t O, int64_t o) {
-  const int64_t tiles = (M + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
-  const int64_t steps = K / kDotLanes;
-  const int64_t share = U * K * static_cast<int64_t>(sizeof(uint16_t)) / tiles;
-  const int64_t stride = (share + steps - 1) / steps;
-  const char* ahead = reinterpret_cast<const char*>(w + (o + kPrefetchGroups * U) * K);
-  int64_t r = 0;
-  for (; r + kMaxRowsPerTile <= M; r += kMaxRowsPerTile, ahead += share)
-    DotTile<kMaxRowsPerTile, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride);
-  switch (M - r) {
-    case 3: DotTile<3, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride); break;
-    case 2: DotTile<2, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride); break;
-    case 1: DotTile<1, U>(x + r * K, w, out + r * O, K, O, o, ahead, stride); break;
-    default: break;
-  }
-}
-
 DFLAX_AVX512_BF16 void DotOutputRange(const uint16_t* x, const uint16_t* w, float* out, int64_t M, int64_t K,
                                       int64_t O, int64_t begin, int64_t end) {
   int64_t o = begin;
   for (; o + kDotWeightRowsPerTile <= end; o += kDotWeightRowsPerTile)
-    DotAllRows<kDotWeightRowsPerTile>(x, w, out, M, K, O, o);
-  for (; o < end; ++o) DotAllRows<1>(x, w, out, M, K, O, o);
+    AllRows<kDotWeightRowsPerTile>(x, w, out, M, K, O, o);
+  for (; o < end; ++o) AllRows<1>(x, w, out, M, K, O, o);
 }
 
-// Which range function a call runs: float32 rows go through `Tile`, bf16 rows through `DotTile`.
+// Which range function a call runs: `OutputRange` for float32 rows, `DotOutputRange` for bf16 ones.
 template <typename W>
 inline void Range(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t O, int64_t b,
                   int64_t e) {
@@ -203,8 +190,7 @@ void RunChunks(Work& work, const X* x, const W* w, float* out, int64_t M, int64_
 template <typename X, typename W>
 ffi::Error FewRowsMatmul(ffi::ThreadPool pool, const X* x, const W* w, float* out, int64_t M, int64_t K,
                          int64_t O) {
-  const int64_t multiple = sizeof(X) == 2 ? kDotLanes : 8;
-  if (K % multiple != 0)
+  if (K % kLanes<X> != 0)
     return ffi::Error::InvalidArgument(
         "few_rows_matmul: the contraction must be a multiple of 8 (of 32 for bf16 rows)");
   auto work = std::make_shared<Work>();
