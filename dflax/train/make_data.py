@@ -1,9 +1,9 @@
 """Training data for drafters: prompts answered by the target itself, written in resumable shards.
 
 A drafter learns to predict the target, so its training responses are the target's own (DFlash trains on
-regenerated responses). Prompts come from the recipe's sources (ShareGPT first turns as chat prompts,
-documented standard-library functions as code completions). They are shuffled with the config's seed,
-prompts longer than `max_prompt_tokens` are skipped, and the kept ones are cut into shards of
+regenerated responses). Prompts come from the recipe's sources (ShareGPT first turns and follow-up turns as
+chat prompts, documented standard-library functions as code completions). They are shuffled with the
+config's seed, prompts longer than `max_prompt_tokens` are skipped, and the kept ones are cut into shards of
 `shard_size`. Each prompt's sampling seed comes from the config seed and its id, so a shard holds the same
 sequences however the run was batched, interrupted or resumed. A shard is written to a temp file and
 renamed, and counts as done on a rerun only when it holds exactly the prompts planned for it. The manifest
@@ -39,10 +39,11 @@ from dflax.train.dataset import (
     write_shard,
 )
 from dflax.train.recipe import read_recipe
-from dflax.train.sharegpt import SPLITS, load_sharegpt
+from dflax.train.sharegpt import SPLITS, load_sharegpt, load_sharegpt_followups
 
-# Prompt sets: ShareGPT first turns (chat), documented standard-library functions and classes (code).
-PROMPT_SOURCES = ("sharegpt", *STDLIB_PROMPT_SETS)
+# Prompt sets: ShareGPT first turns and follow-up turns (chat), documented standard-library functions and
+# classes (code).
+PROMPT_SOURCES = ("sharegpt", "sharegpt-followups", *STDLIB_PROMPT_SETS)
 
 # Settings that do not change the generated sequences, so a rerun may change them freely.
 _RUN_ONLY = ("batch_size", "refill_every")
@@ -63,8 +64,9 @@ class DataConfig:
       refill_every: decode steps between refills of finished rows (continuous batching; 0 = static
         batches); does not change the output.
       seed: shuffles the prompts and seeds each prompt's sampling.
-      sources: prompt sets, shuffled together: "sharegpt" (chat), "stdlib" (code completion of documented
-        functions) and "stdlib-classes" (of documented classes).
+      sources: prompt sets, shuffled together: "sharegpt" (chat: first turns), "sharegpt-followups" (chat:
+        a later turn after one exchange), "stdlib" (code completion of documented functions) and
+        "stdlib-classes" (of documented classes).
     """
 
     target: str = DEFAULT_TARGET
@@ -121,6 +123,8 @@ def load_prompts(config: DataConfig, split: str) -> list[PromptRecord]:
     for source in config.sources:
         if source == "sharegpt":
             prompts += load_sharegpt(config.validation_fraction).split(split)
+        elif source == "sharegpt-followups":
+            prompts += load_sharegpt_followups(config.validation_fraction).split(split)
         else:
             prompts += load_stdlib_prompts(config.validation_fraction, prompt_set=source)[split]
     return prompts

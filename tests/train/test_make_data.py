@@ -14,12 +14,19 @@ from typer.testing import CliRunner
 import dflax
 from dflax.cli import app
 from dflax.generation import encode_prompt
-from dflax.prompts import PromptRecord, mtbench_prompts
+from dflax.prompts import PromptRecord, mtbench_prompts, mtbench_second_turns
 from dflax.train import make_data as make_data_module
 from dflax.train.code_prompts import definition_prompts, load_stdlib_prompts
 from dflax.train.dataset import load_sequences, read_manifest, read_shard, write_shard
 from dflax.train.make_data import DataConfig, make_data, row_seed, target_fingerprint
-from dflax.train.sharegpt import benchmark_texts, build_prompts, iter_records, normalize, split_of
+from dflax.train.sharegpt import (
+    benchmark_texts,
+    build_followup_prompts,
+    build_prompts,
+    iter_records,
+    normalize,
+    split_of,
+)
 
 RECIPE = Path(__file__).parents[2] / "configs/data/smollm2-sharegpt.json"
 MIXED_RECIPE = Path(__file__).parents[2] / "configs/data/smollm2-135m.json"
@@ -62,6 +69,47 @@ def test_sharegpt_recovery_dedupe_benchmarks_and_split():
         ("b_1", [{"role": "user", "content": "Summarise\nthat."}]),
         ("g_0", [{"role": "user", "content": "What is JAX?"}]),
     ]
+
+
+def test_sharegpt_followups_are_exchanges_then_a_user_turn_without_benchmarks():
+    records = RECORDS + [
+        conversation(
+            "h_0", ("human", "Name a fruit."), ("gpt", "Apple."), ("human", "Another?"), ("gpt", "Pear."),
+            ("human", "A third?"),
+        ),  # two follow-ups
+        conversation("i_0", ("human", "Hi"), ("gpt", "  "), ("human", "Hello?")),  # empty assistant turn
+        conversation("j_0", ("human", "Hi"), ("gpt", "Hey."), ("gpt", "Still there?"), ("human", "Yes")),
+        conversation("k_0", ("human", "Write."), ("gpt", "Done."), ("human", mtbench_second_turns()[3])),
+        conversation("l_0", ("human", "Tell me a joke."), ("gpt", "No."), ("human", " Another  one ")),  # a_0
+    ]  # fmt: skip
+    prompts = build_followup_prompts(records, 0.0, benchmark_texts(all_turns=True))
+    assert prompts.counts == {
+        "records": 12, "with_user_turn": 5, "unique": 4, "benchmark": 1, "train": 3, "validation": 0,
+    }  # fmt: skip
+    assert [(r.id, r.prompt) for r in prompts.train] == [
+        ("a_0:2", [
+            {"role": "user", "content": "Tell me  a joke."}, {"role": "assistant", "content": "No."},
+            {"role": "user", "content": "Another one"},
+        ]),
+        ("h_0:2", [
+            {"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Apple."},
+            {"role": "user", "content": "Another?"},
+        ]),
+        ("h_0:4", [
+            {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Pear."},
+            {"role": "user", "content": "A third?"},
+        ]),
+    ]  # fmt: skip
+    # MT-Bench second turns are benchmark text for follow-ups only: first turns keep their old exclusions
+    assert len(benchmark_texts(all_turns=True)) == len(benchmark_texts()) + len(mtbench_second_turns())
+
+    # a conversation's follow-ups fall in the split of its first turn
+    turns = [(("human", f"question {i}"), ("gpt", "ok"), ("human", "why?")) for i in range(300)]
+    many = [conversation(f"r{i}", *exchange) for i, exchange in enumerate(turns)]
+    first, followups = build_prompts(many, 0.2, []), build_followup_prompts(many, 0.2, [])
+    for name in ("train", "validation"):
+        assert [r.id + ":2" for r in first.split(name)] == [r.id for r in followups.split(name)]
+    assert followups.validation and followups.train
 
 
 def test_split_is_deterministic_disjoint_and_near_the_fraction():
@@ -293,6 +341,7 @@ def test_recipe_file_and_its_validation(tmp_path):
     assert mixed.generation_settings()["sources"] == ["sharegpt", "stdlib"]  # as the manifest stores it
     with pytest.raises(ValueError, match="sources must be"):
         DataConfig(sources=["sharegpt", "wiki"])
+    assert DataConfig(sources=["sharegpt-followups"]).sources == ("sharegpt-followups",)
 
 
 def test_cli_make_data_on_sharegpt(tmp_path, tiny_target):
