@@ -92,7 +92,7 @@ DFLAX_AVX512_BF16 inline __m512bh LoadPairs(const uint16_t* p) {
 // `Tile` for bf16 rows: R rows of x ([R, K] bf16) times U bf16 weight rows starting at output o.
 template <int R, int U>
 DFLAX_AVX512_BF16 inline void Tile(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t O,
-                                      int64_t o, const char* ahead, int64_t ahead_stride) {
+                                   int64_t o, const char* ahead, int64_t ahead_stride) {
   __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
