@@ -707,7 +707,7 @@ def make_data_command(
     batch_size: int = typer.Option(None, help="prompts decoded together (default: the recipe's)"),
     split: str = typer.Option("train", help="train or validation"),
 ) -> None:
-    """Make drafter training data: ShareGPT prompts answered by the target, in resumable shards."""
+    """Make drafter training data: chat and code prompts answered by the target, in resumable shards."""
     from dflax.train.make_data import DataConfig, make_data
 
     recipe = _read_recipe(DataConfig, config, f"--config {config}")

@@ -1,17 +1,22 @@
-"""Code-completion training prompts from the Python standard library's own source.
+"""Code-completion training prompts from Python source on this machine: the standard library and installed
+packages.
 
 HumanEval asks a model to complete a function from its signature and docstring; the standard library holds
 thousands of such functions. Each prompt is one documented function's source from its `def` line through
 the end of its docstring, dedented to the top level, as a raw completion (no chat template), so the target
 writes the body the way it would for a benchmark prompt. A second prompt set does the same for documented
-classes (the `class` line through the docstring: the target writes the methods). Test packages and private
-modules are skipped, prompts are deduplicated, any prompt containing a benchmark prompt is dropped, and the
-rest is split into train / validation by a hash of the text, as for ShareGPT.
+classes (the `class` line through the docstring: the target writes the methods). A third, "packages", takes
+documented functions from the installed pure-Python packages of `PACKAGE_MODULES` (numpy, sympy, networkx,
+jax, ...; `bash .ci/setup --test` installs them all), whose versions fix it as the interpreter's version fixes
+the standard library's. Test packages are skipped, prompts are deduplicated, any prompt containing a benchmark
+prompt is dropped, and the rest is split into train / validation by a hash of the text, as for ShareGPT.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import importlib.util
 import sys
 import sysconfig
 import textwrap
@@ -23,9 +28,18 @@ from dflax.train.sharegpt import SPLITS, benchmark_texts, normalize, split_of
 
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__", "turtledemo"}
 _MIN_DOCSTRING_CHARS = 20
-# The standard-library prompt sets (their names are also their prompt ids' prefix) and the definitions each
-# is cut from.
-STDLIB_PROMPT_SETS = {"stdlib": (ast.FunctionDef, ast.AsyncFunctionDef), "stdlib-classes": (ast.ClassDef,)}
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+# The code prompt sets (their names are also their prompt ids' prefix) and the definitions each is cut from.
+CODE_PROMPT_SETS = {"stdlib": _FUNCTIONS, "stdlib-classes": (ast.ClassDef,), "packages": _FUNCTIONS}
+STDLIB_PROMPT_SETS = ("stdlib", "stdlib-classes")
+# Installed packages (import names) whose documented functions the "packages" set reads, in this order:
+# math and algorithms with doctest-style docstrings first (HumanEval's shape), then the array, plotting and
+# text libraries dflax itself runs on.
+PACKAGE_MODULES = (
+    "sympy", "mpmath", "networkx", "numpy", "jax", "optax", "flax", "matplotlib", "PIL", "fontTools",
+    "jinja2", "markdown_it", "pygments", "rich", "click", "packaging", "dateutil", "tqdm", "etils",
+    "huggingface_hub",
+)
 
 
 def stdlib_dir() -> Path:
@@ -36,6 +50,28 @@ def stdlib_dir() -> Path:
 def stdlib_version() -> str:
     """The interpreter version whose standard library the prompts come from (it fixes the prompt set)."""
     return "{}.{}.{}".format(*sys.version_info[:3])
+
+
+def package_dir(module: str) -> Path:
+    """The source directory of an installed package (by import name); a clear error when it is missing."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the 'packages' prompt set reads the source of the {module!r} package, which is not installed: "
+            "run `bash .ci/setup --test`, which installs every module of code_prompts.PACKAGE_MODULES"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def package_versions() -> dict[str, str]:
+    """{distribution: version} of the packages the "packages" prompt set reads (they fix the prompt set)."""
+    distributions = importlib.metadata.packages_distributions()
+    versions = {}
+    for module in PACKAGE_MODULES:
+        package_dir(module)  # missing: the clear error
+        for name in distributions.get(module, [module]):
+            versions[name] = importlib.metadata.version(name)
+    return versions
 
 
 def _source_files(root: Path) -> list[Path]:
@@ -52,20 +88,20 @@ def definition_prompts(source: str, prompt_set: str = "stdlib") -> Iterator[tupl
 
     Args:
       source: a module's Python source.
-      prompt_set: "stdlib" (functions: def and async def) or "stdlib-classes" (classes).
+      prompt_set: "stdlib" or "packages" (functions: def and async def) or "stdlib-classes" (classes).
 
     The prompt is the definition's decorator-free source from its `def` / `class` line through its
     docstring, dedented. Definitions whose docstring is shorter than 20 characters are skipped; a module
     that does not parse yields nothing.
     """
-    if prompt_set not in STDLIB_PROMPT_SETS:
-        raise ValueError(f"prompt set {prompt_set!r} unknown; choose one of {', '.join(STDLIB_PROMPT_SETS)}")
+    if prompt_set not in CODE_PROMPT_SETS:
+        raise ValueError(f"prompt set {prompt_set!r} unknown; choose one of {', '.join(CODE_PROMPT_SETS)}")
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return
     lines = source.splitlines()
-    wanted = STDLIB_PROMPT_SETS[prompt_set]
+    wanted = CODE_PROMPT_SETS[prompt_set]
 
     def visit(node: ast.AST, prefix: str) -> Iterator[tuple[str, str]]:
         for child in ast.iter_child_nodes(node):
@@ -81,31 +117,45 @@ def definition_prompts(source: str, prompt_set: str = "stdlib") -> Iterator[tupl
     yield from visit(tree, "")
 
 
-def load_stdlib_prompts(
-    validation_fraction: float, root: Path | None = None, prompt_set: str = "stdlib"
+def _code_files(prompt_set: str, root: Path | None) -> list[tuple[Path, Path]]:
+    """(file, the directory its id is relative to) for every source file a prompt set reads, in order."""
+    if prompt_set in STDLIB_PROMPT_SETS:
+        root = root or stdlib_dir()
+        return [(path, root) for path in _source_files(root)]
+    files = []
+    for module in PACKAGE_MODULES:
+        directory = root / module if root else package_dir(module)
+        files += [(path, directory.parent) for path in _source_files(directory)]
+    return files
+
+
+def load_code_prompts(
+    validation_fraction: float, prompt_set: str = "stdlib", root: Path | None = None
 ) -> dict[str, list[PromptRecord]]:
-    """Documented standard-library functions (or classes) as raw completion prompts, split by a hash of
-    their text.
+    """Documented functions (or classes) of the standard library or of installed packages as raw completion
+    prompts, split by a hash of their text.
 
     Args:
       validation_fraction: share of prompts (by text hash) held out for validation.
-      root: the library directory to read (default: this interpreter's standard library).
-      prompt_set: "stdlib" or "stdlib-classes" (see `definition_prompts`).
+      prompt_set: "stdlib", "stdlib-classes" or "packages" (see `definition_prompts`).
+      root: the directory to read (default: this interpreter's standard library; for "packages", a
+        directory holding a folder per module of `PACKAGE_MODULES`, by default where each is installed).
 
     Returns:
-      {"train": [...], "validation": [...]}, each in file order; ids are "<prompt set>:<module path>:
-      <qualname>".
+      {"train": [...], "validation": [...]}, each in file order; ids are "<prompt set>:<path>:<qualname>",
+      the path relative to the standard library (or to the folder holding the package).
     """
-    root = root or stdlib_dir()
+    if prompt_set not in CODE_PROMPT_SETS:
+        raise ValueError(f"prompt set {prompt_set!r} unknown; choose one of {', '.join(CODE_PROMPT_SETS)}")
     exclude = [t for t in benchmark_texts() if t]
     splits: dict[str, list[PromptRecord]] = {name: [] for name in SPLITS}
     seen: set[str] = set()
-    for path in _source_files(root):
+    for path, base in _code_files(prompt_set, root):
         try:
             source = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        module = path.relative_to(root).as_posix()
+        module = path.relative_to(base).as_posix()
         for qualname, prompt in definition_prompts(source, prompt_set):
             key = normalize(prompt)
             if key in seen or any(bench in key for bench in exclude):

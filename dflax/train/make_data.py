@@ -29,7 +29,13 @@ from dflax.checkpoints.registry import DEFAULT_TARGET
 from dflax.generation import encode_prompt, generate
 from dflax.prompts import PromptRecord, result_key, row_seed
 from dflax.target import Target, load_target, weights_fingerprint
-from dflax.train.code_prompts import STDLIB_PROMPT_SETS, load_stdlib_prompts, stdlib_version
+from dflax.train.code_prompts import (
+    CODE_PROMPT_SETS,
+    STDLIB_PROMPT_SETS,
+    load_code_prompts,
+    package_versions,
+    stdlib_version,
+)
 from dflax.train.dataset import (
     MANIFEST,
     TMP_SUFFIX,
@@ -43,7 +49,7 @@ from dflax.train.sharegpt import SPLITS, load_sharegpt, load_sharegpt_followups
 
 # Prompt sets: ShareGPT first turns and follow-up turns (chat), documented standard-library functions and
 # classes (code).
-PROMPT_SOURCES = ("sharegpt", "sharegpt-followups", *STDLIB_PROMPT_SETS)
+PROMPT_SOURCES = ("sharegpt", "sharegpt-followups", *CODE_PROMPT_SETS)
 
 # Settings that do not change the generated sequences, so a rerun may change them freely.
 _RUN_ONLY = ("batch_size", "refill_every")
@@ -65,8 +71,9 @@ class DataConfig:
         batches); does not change the output.
       seed: shuffles the prompts and seeds each prompt's sampling.
       sources: prompt sets, shuffled together: "sharegpt" (chat: first turns), "sharegpt-followups" (chat:
-        a later turn after one exchange), "stdlib" (code completion of documented functions) and
-        "stdlib-classes" (of documented classes).
+        a later turn after one exchange), "stdlib" (code completion of documented functions),
+        "stdlib-classes" (of documented classes) and "packages" (of documented functions of installed
+        packages: numpy, sympy, networkx, ...).
     """
 
     target: str = DEFAULT_TARGET
@@ -114,6 +121,8 @@ class DataConfig:
         settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in _RUN_ONLY}
         if set(STDLIB_PROMPT_SETS) & set(self.sources):
             settings["stdlib_version"] = stdlib_version()  # the stdlib's source fixes the prompt set
+        if "packages" in self.sources:
+            settings["package_versions"] = package_versions()  # as the packages' sources fix theirs
         return json.loads(json.dumps(settings))
 
 
@@ -126,7 +135,7 @@ def load_prompts(config: DataConfig, split: str) -> list[PromptRecord]:
         elif source == "sharegpt-followups":
             prompts += load_sharegpt_followups(config.validation_fraction).split(split)
         else:
-            prompts += load_stdlib_prompts(config.validation_fraction, prompt_set=source)[split]
+            prompts += load_code_prompts(config.validation_fraction, prompt_set=source)[split]
     return prompts
 
 

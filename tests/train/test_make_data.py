@@ -15,8 +15,9 @@ import dflax
 from dflax.cli import app
 from dflax.generation import encode_prompt
 from dflax.prompts import PromptRecord, mtbench_prompts, mtbench_second_turns
+from dflax.train import code_prompts
 from dflax.train import make_data as make_data_module
-from dflax.train.code_prompts import definition_prompts, load_stdlib_prompts
+from dflax.train.code_prompts import definition_prompts, load_code_prompts
 from dflax.train.dataset import load_sequences, read_manifest, read_shard, write_shard
 from dflax.train.make_data import DataConfig, make_data, row_seed, target_fingerprint
 from dflax.train.sharegpt import (
@@ -170,11 +171,33 @@ def test_stdlib_prompts_are_documented_functions_cut_after_the_docstring(tmp_pat
     (tmp_path / "pkg" / "copy.py").write_text(MODULE_SOURCE)  # the same functions again: deduplicated
     (tmp_path / "test").mkdir()
     (tmp_path / "test" / "mod.py").write_text(MODULE_SOURCE.replace("two", "three"))  # tests are skipped
-    splits = load_stdlib_prompts(0.0, root=tmp_path)
+    splits = load_code_prompts(0.0, root=tmp_path)
     assert [r.id for r in splits["train"]] == ["stdlib:pkg/copy.py:documented", "stdlib:pkg/copy.py:Box.size"]
     assert splits["validation"] == []
-    classes = load_stdlib_prompts(0.0, root=tmp_path, prompt_set="stdlib-classes")
+    classes = load_code_prompts(0.0, "stdlib-classes", root=tmp_path)
     assert [r.id for r in classes["train"]] == ["stdlib-classes:pkg/copy.py:Crate"]
+
+
+def test_package_prompts_read_each_listed_package_and_record_its_version(tmp_path, monkeypatch):
+    """The "packages" set reads the folders of PACKAGE_MODULES (tests skipped, duplicates dropped), ids
+    relative to the folder holding them; the recipe records the packages' versions; a missing package is
+    one clear error."""
+    assert code_prompts.PACKAGE_MODULES[:3] == ("sympy", "mpmath", "networkx")
+    (tmp_path / "sympy").mkdir()
+    (tmp_path / "sympy" / "core.py").write_text(MODULE_SOURCE)
+    (tmp_path / "numpy" / "tests").mkdir(parents=True)
+    (tmp_path / "numpy" / "tests" / "mod.py").write_text(MODULE_SOURCE.replace("two", "three"))
+    (tmp_path / "numpy" / "lib.py").write_text(MODULE_SOURCE)  # sympy's functions again: deduplicated
+    (tmp_path / "unlisted").mkdir()
+    (tmp_path / "unlisted" / "mod.py").write_text(MODULE_SOURCE.replace("two", "four"))
+    splits = load_code_prompts(0.0, "packages", root=tmp_path)
+    ids = [r.id for r in splits["train"]]
+    assert ids == ["packages:sympy/core.py:documented", "packages:sympy/core.py:Box.size"]
+    settings = DataConfig(sources=("packages",)).generation_settings()
+    assert settings["package_versions"]["numpy"] == np.__version__ and "stdlib_version" not in settings
+    monkeypatch.setattr(code_prompts, "PACKAGE_MODULES", ("numpy", "no_such_package_here"))
+    with pytest.raises(ValueError, match="'no_such_package_here' package, which is not installed"):
+        load_code_prompts(0.0, "packages")
 
 
 def test_shards_are_compressed_uint16_and_read_back_as_int32(tmp_path):
