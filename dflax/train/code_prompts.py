@@ -63,14 +63,17 @@ def package_dir(module: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def package_versions() -> dict[str, str]:
-    """{distribution: version} of the packages the "packages" prompt set reads (they fix the prompt set)."""
+def package_versions() -> dict[str, str | None]:
+    """{distribution: version} of the packages the "packages" prompt set reads (they fix the prompt set);
+    None for a package that is not installed."""
     distributions = importlib.metadata.packages_distributions()
     versions = {}
     for module in PACKAGE_MODULES:
-        package_dir(module)  # missing: the clear error
         for name in distributions.get(module, [module]):
-            versions[name] = importlib.metadata.version(name)
+            try:
+                versions[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                versions[name] = None
     return versions
 
 

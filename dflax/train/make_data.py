@@ -53,6 +53,9 @@ PROMPT_SOURCES = ("sharegpt", "sharegpt-followups", *CODE_PROMPT_SETS)
 
 # Settings that do not change the generated sequences, so a rerun may change them freely.
 _RUN_ONLY = ("batch_size", "refill_every")
+# Settings that name the versions of the code a prompt source reads. Other versions may plan other prompts,
+# so they add no answers to a directory, but the answers already made there stay what a stage trains on.
+_SOURCE_VERSIONS = ("stdlib_version", "package_versions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,17 +212,39 @@ def _shards_holding(out_dir: Path, entry: dict | None, keys: list[str]) -> int |
     return count if held[: len(keys)] == keys else None
 
 
-def _check_compatible(manifest: dict | None, config: DataConfig, fingerprint: dict, out_dir: Path) -> None:
+def _changed_settings(manifest: dict | None, config: DataConfig, fingerprint: dict) -> dict[str, tuple]:
+    """{setting: (recorded, this run's)} for each generation setting or fingerprint that differs."""
     if manifest is None:
-        return
+        return {}
     old = {**manifest["generation"], **manifest.get("fingerprint", {})}
     new = {**config.generation_settings(), **fingerprint}
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    if changed:
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+
+
+def _shards_made(out_dir: Path, entry: dict | None, limit: int) -> int | None:
+    """How many of the split's listed (and finished) shards hold its first `limit` answers; None if they
+    hold fewer."""
+    made = 0
+    for count, shard in enumerate((entry or {}).get("shards", []), 1):
+        if _finished_shard(out_dir / shard["file"], None) is None:
+            return None
+        made += shard["sequences"]
+        if made >= limit:
+            return count
+    return None
+
+
+def _refuse(changed: dict[str, tuple], out_dir: Path) -> None:
+    listed = ", ".join(f"{k}: {old!r}" for k, (old, _) in changed.items())
+    if set(changed) <= set(_SOURCE_VERSIONS):
         raise ValueError(
-            f"{out_dir} was made with other settings ({', '.join(f'{k}: {old.get(k)!r}' for k in changed)}); "
-            "use the same config to resume, or a new --out directory"
+            f"{out_dir} was made from other versions of its prompt sources ({listed}): they may plan other "
+            "prompts, so no answers are added to it; install those versions, or use a new --out directory"
         )
+    raise ValueError(
+        f"{out_dir} was made with other settings ({listed}); use the same config to resume, or a new --out "
+        "directory"
+    )
 
 
 def _write_manifest(out_dir: Path, manifest: dict) -> None:
@@ -257,7 +282,8 @@ def make_data(
       out_dir: the data directory (created; a rerun with the same config skips finished shards).
       split: "train" or "validation".
       limit: answer only the first N planned prompts; when a larger run already made them, nothing is
-        written (not the shards, not the manifest).
+        written (not the shards, not the manifest), even under other versions of the prompt sources
+        (another Python's standard library, other package versions), which add no answers otherwise.
       batch_size: overrides config.batch_size (output does not depend on it).
       target: the loaded config.target (loaded here when None).
       prompts: the split's prompts (default: the recipe's sources' prompts of `split`).
@@ -268,7 +294,7 @@ def make_data(
 
     Raises:
       ValueError: for a bad split or limit, settings that do not fit the target's context, or an out_dir
-        made with other generation settings or another target.
+        made with other generation settings, source versions (unless `limit` answers are made) or target.
     """
     if split not in SPLITS:
         raise ValueError(f"split {split!r} unknown; choose one of {', '.join(SPLITS)}")
@@ -279,7 +305,16 @@ def make_data(
     manifest = read_manifest(out_dir)
     target = target or load_target(config.target)
     fingerprint = target_fingerprint(target)
-    _check_compatible(manifest, config, fingerprint, out_dir)
+    changed = _changed_settings(manifest, config, fingerprint)
+    previous = manifest["splits"].get(split) if manifest else None
+    if changed:
+        held = _shards_made(out_dir, previous, limit) if limit is not None else None
+        if held is None or not set(changed) <= set(_SOURCE_VERSIONS):
+            _refuse(changed, out_dir)
+        if console is not None:
+            kept = f"{split}: the first {limit} answers are already made ({held} shards), kept"
+            console.print(f"{kept} (made under another {' and '.join(changed)})")
+        return RunSummary(0, 0, 0.0, 0, held)
     context = target.config.max_position_embeddings
     if config.max_prompt_tokens + config.max_new_tokens > context:
         raise ValueError(
@@ -290,7 +325,6 @@ def make_data(
         prompts = load_prompts(config, split)
     planned, too_long = plan_prompts(target, prompts, config, limit)
     keys = [result_key(record.id) for record, _ in planned]
-    previous = manifest["splits"].get(split) if manifest else None
     if limit is not None and (held := _shards_holding(out_dir, previous, keys)):
         # A larger run made these answers already: a smaller plan would rewrite its last shard with fewer
         # answers and drop the shards after it from the manifest, so the directory is left as it is.

@@ -335,6 +335,25 @@ def test_a_smaller_limit_after_a_larger_run_changes_nothing(tmp_path, tiny_targe
     ]
 
 
+def test_answers_made_under_other_source_versions_are_kept_not_added_to(tmp_path, tiny_target, counting):
+    """A fresh machine with another Python or other package versions may plan other code prompts: a stage
+    that asks for answers already made trains on them as they are; more answers are refused."""
+    run(tiny_target, tmp_path, limit=6)
+    manifest = read_manifest(tmp_path)
+    manifest["generation"]["package_versions"] = {"numpy": "0.1"}  # made under other versions
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    before, calls = (tmp_path / "manifest.json").read_bytes(), counting.calls
+    for limit in (6, 3):
+        summary = run(tiny_target, tmp_path, limit=limit)
+        assert (summary.shards_written, summary.shards_kept) == (0, -(-limit // 4))
+    assert counting.calls == calls and (tmp_path / "manifest.json").read_bytes() == before
+    for limit in (7, None):
+        with pytest.raises(ValueError, match=r"other versions of its prompt sources \(package_versions: "):
+            run(tiny_target, tmp_path, limit=limit)
+    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens: 6, package_versions: "):
+        run(tiny_target, tmp_path, config=tiny_config(tiny_target, max_new_tokens=5), limit=3)
+
+
 def test_other_settings_or_target_refuse_to_mix(tmp_path, tiny_target):
     run(tiny_target, tmp_path, limit=2)
     fingerprint = read_manifest(tmp_path)["fingerprint"]
@@ -391,8 +410,9 @@ def test_committed_data_matches_its_recipe_and_shards(data_dir):
     assert recipe.exists(), f"{data_dir} has no recipe {recipe}"
     manifest = read_manifest(data_dir)
     settings = DataConfig.from_json(recipe).generation_settings()
-    made = {k: v for k, v in manifest["generation"].items() if k != "stdlib_version"}
-    assert made == {k: v for k, v in settings.items() if k != "stdlib_version"}
+    versions = ("stdlib_version", "package_versions")  # another machine's may differ (they are kept)
+    made = {k: v for k, v in manifest["generation"].items() if k not in versions}
+    assert made == {k: v for k, v in settings.items() if k not in versions}
     for split, entry in manifest["splits"].items():
         listed = sum(shard["sequences"] for shard in entry["shards"])
         if entry["complete"]:
