@@ -48,7 +48,7 @@ from dflax.train.recipe import read_recipe
 from dflax.train.sharegpt import SPLITS, load_sharegpt, load_sharegpt_followups
 
 # Prompt sets: ShareGPT first turns and follow-up turns (chat), documented standard-library functions and
-# classes (code).
+# classes and documented functions of installed packages (code).
 PROMPT_SOURCES = ("sharegpt", "sharegpt-followups", *CODE_PROMPT_SETS)
 
 # Settings that do not change the generated sequences, so a rerun may change them freely.
@@ -212,13 +212,14 @@ def _shards_holding(out_dir: Path, entry: dict | None, keys: list[str]) -> int |
     return count if held[: len(keys)] == keys else None
 
 
-def _changed_settings(manifest: dict | None, config: DataConfig, fingerprint: dict) -> dict[str, tuple]:
-    """{setting: (recorded, this run's)} for each generation setting or fingerprint that differs."""
+def _changed_settings(manifest: dict | None, config: DataConfig, fingerprint: dict) -> dict[str, object]:
+    """{setting: its recorded value} for each generation setting or fingerprint that this run's differs
+    from."""
     if manifest is None:
         return {}
     old = {**manifest["generation"], **manifest.get("fingerprint", {})}
     new = {**config.generation_settings(), **fingerprint}
-    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    return {k: old.get(k) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 
 def _shards_made(out_dir: Path, entry: dict | None, limit: int) -> int | None:
@@ -234,8 +235,8 @@ def _shards_made(out_dir: Path, entry: dict | None, limit: int) -> int | None:
     return None
 
 
-def _refuse(changed: dict[str, tuple], out_dir: Path) -> None:
-    listed = ", ".join(f"{k}: {old!r}" for k, (old, _) in changed.items())
+def _refuse(changed: dict[str, object], out_dir: Path) -> None:
+    listed = ", ".join(f"{k}: {old!r}" for k, old in changed.items())
     if set(changed) <= set(_SOURCE_VERSIONS):
         raise ValueError(
             f"{out_dir} was made from other versions of its prompt sources ({listed}): they may plan other "
