@@ -77,6 +77,13 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
+def _definitions_cut(prompt_set: str) -> tuple[type[ast.AST], ...]:
+    """The definitions a code prompt set is cut from; a clear error for an unknown set."""
+    if prompt_set not in CODE_PROMPT_SETS:
+        raise ValueError(f"prompt set {prompt_set!r} unknown; choose one of {', '.join(CODE_PROMPT_SETS)}")
+    return CODE_PROMPT_SETS[prompt_set]
+
+
 def _source_files(root: Path) -> list[Path]:
     return sorted(
         path
@@ -97,14 +104,12 @@ def definition_prompts(source: str, prompt_set: str = "stdlib") -> Iterator[tupl
     docstring, dedented. Definitions whose docstring is shorter than 20 characters are skipped; a module
     that does not parse yields nothing.
     """
-    if prompt_set not in CODE_PROMPT_SETS:
-        raise ValueError(f"prompt set {prompt_set!r} unknown; choose one of {', '.join(CODE_PROMPT_SETS)}")
+    wanted = _definitions_cut(prompt_set)
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return
     lines = source.splitlines()
-    wanted = CODE_PROMPT_SETS[prompt_set]
 
     def visit(node: ast.AST, prefix: str) -> Iterator[tuple[str, str]]:
         for child in ast.iter_child_nodes(node):
@@ -148,8 +153,7 @@ def load_code_prompts(
       {"train": [...], "validation": [...]}, each in file order; ids are "<prompt set>:<path>:<qualname>",
       the path relative to the standard library (or to the folder holding the package).
     """
-    if prompt_set not in CODE_PROMPT_SETS:
-        raise ValueError(f"prompt set {prompt_set!r} unknown; choose one of {', '.join(CODE_PROMPT_SETS)}")
+    _definitions_cut(prompt_set)  # an unknown set fails before any file is read
     exclude = [t for t in benchmark_texts() if t]
     splits: dict[str, list[PromptRecord]] = {name: [] for name in SPLITS}
     seen: set[str] = set()

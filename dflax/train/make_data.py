@@ -197,19 +197,23 @@ def _finished_shard(path: Path, keys: list[str] | None) -> dict[str, np.ndarray]
     return shard
 
 
-def _shards_holding(out_dir: Path, entry: dict | None, keys: list[str]) -> int | None:
-    """How many of the split's listed shards it takes to hold the answers to `keys`, in order; None if
-    they do not hold them all."""
-    held, count = [], 0
+def _shards_holding(
+    out_dir: Path, entry: dict | None, count: int, keys: list[str] | None = None
+) -> int | None:
+    """How many of the split's listed (finished) shards it takes to hold its first `count` answers, which
+    must be the answers to `keys` in order when `keys` is given; None if they do not hold them all."""
+    held, shards = [], 0
     for shard in (entry or {}).get("shards", []):
-        if len(held) >= len(keys):
+        if len(held) >= count:
             break
         arrays = _finished_shard(out_dir / shard["file"], None)
         if arrays is None:
             return None
         held.extend(arrays["keys"].tolist())
-        count += 1
-    return count if held[: len(keys)] == keys else None
+        shards += 1
+    if len(held) < count or (keys is not None and held[:count] != keys):
+        return None
+    return shards
 
 
 def _changed_settings(manifest: dict | None, config: DataConfig, fingerprint: dict) -> dict[str, object]:
@@ -220,19 +224,6 @@ def _changed_settings(manifest: dict | None, config: DataConfig, fingerprint: di
     old = {**manifest["generation"], **manifest.get("fingerprint", {})}
     new = {**config.generation_settings(), **fingerprint}
     return {k: old.get(k) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
-
-
-def _shards_made(out_dir: Path, entry: dict | None, limit: int) -> int | None:
-    """How many of the split's listed (and finished) shards hold its first `limit` answers; None if they
-    hold fewer."""
-    made = 0
-    for count, shard in enumerate((entry or {}).get("shards", []), 1):
-        if _finished_shard(out_dir / shard["file"], None) is None:
-            return None
-        made += shard["sequences"]
-        if made >= limit:
-            return count
-    return None
 
 
 def _refuse(changed: dict[str, object], out_dir: Path) -> None:
@@ -309,7 +300,7 @@ def make_data(
     changed = _changed_settings(manifest, config, fingerprint)
     previous = manifest["splits"].get(split) if manifest else None
     if changed:
-        held = _shards_made(out_dir, previous, limit) if limit is not None else None
+        held = _shards_holding(out_dir, previous, limit) if limit is not None else None
         if held is None or not set(changed) <= set(_SOURCE_VERSIONS):
             _refuse(changed, out_dir)
         if console is not None:
@@ -326,7 +317,7 @@ def make_data(
         prompts = load_prompts(config, split)
     planned, too_long = plan_prompts(target, prompts, config, limit)
     keys = [result_key(record.id) for record, _ in planned]
-    if limit is not None and (held := _shards_holding(out_dir, previous, keys)):
+    if limit is not None and (held := _shards_holding(out_dir, previous, len(keys), keys)):
         # A larger run made these answers already: a smaller plan would rewrite its last shard with fewer
         # answers and drop the shards after it from the manifest, so the directory is left as it is.
         if console is not None:
