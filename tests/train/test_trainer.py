@@ -679,8 +679,8 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     # answers again with T=1 answers and the parent's draft vocabulary; 10: -stage10, the same recipe on
     # follow-up answers and part of stage 6's; 11: -stage11, the same recipe on package code answers and
     # more of stage 6's; 12: -stage12, the same recipe on the next package answers and more of stage 6's;
-    # stages 7 and 9 were not shipped). The fields each stage records match, and any
-    # field added since holds the default that reproduces it.
+    # stages 7 and 9 were not shipped). The fields each stage records match, and any field added since
+    # holds the default that reproduces it.
     record = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
     stages = [record]
     while "warm_start" in stages[0]:
