@@ -1,4 +1,4 @@
-"""The `dflax` command line: generate, bench, make-data, train, pipeline and plan."""
+"""The `dflax` command line: generate, bench, make-data, train, validate, pipeline and plan."""
 
 from __future__ import annotations
 
@@ -784,6 +784,53 @@ def train_command(
         _fail(str(e))
     if result.interrupted is not None:
         raise typer.Exit(128 + result.interrupted)
+
+
+@app.command("validate")
+def validate_command(
+    drafter: list[str] = typer.Option(
+        ["shipped"],
+        "--drafter",
+        help="'shipped' or a drafter directory made by `dflax train`; repeat to compare",
+    ),
+    data: list[Path] = typer.Option(
+        ..., "--data", help="data directory made by `dflax make-data` (its validation split); repeatable"
+    ),
+    limit: int = typer.Option(64, min=1, help="held-out answers per data directory (the first ones)"),
+    feature_dtype: str = typer.Option("float32", help="precision of the target forward: float32 or bfloat16"),
+    recipe: Path = typer.Option(
+        None, help="the drafters' training recipe (default: each drafter's TRAINING.json)"
+    ),
+    cache: Path = typer.Option(
+        None, help="keep the target features here for the next call (default: not kept)"
+    ),
+    json_out: Path = typer.Option(None, "--json", help="also write the rows (every position) as JSON here"),
+    target: str = typer.Option(
+        None,
+        help=f"the drafters' target, {_TARGET_HELP} (default: --recipe's, else the first drafter's "
+        f"TRAINING.json's, else {DEFAULT_TARGET})",
+    ),
+) -> None:
+    """Held-out loss, per-position accuracy and estimated tau of drafters on data directories' validation
+    answers, with the same anchors for every drafter (no training step)."""
+    from dflax.train.trainer import TrainConfig
+    from dflax.train.validate import recorded_target, rows_table, validate_drafters
+
+    config = _read_recipe(TrainConfig, recipe, f"--recipe {recipe}") if recipe is not None else None
+    if target is None:
+        target = config.target if config is not None else recorded_target(drafter[0]) or DEFAULT_TARGET
+    loaded = _load(target, None)
+    try:
+        rows = validate_drafters(
+            drafter, data, loaded, limit=limit, feature_dtype=feature_dtype, recipe=config, console=console,
+            cache_dir=cache,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    print(rows_table(rows))
+    if json_out is not None:
+        json_out.write_text(json.dumps([row.to_dict() for row in rows], indent=2) + "\n")
+        console.print(f"rows written to {json_out}")
 
 
 @app.command("pipeline")

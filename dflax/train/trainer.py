@@ -665,7 +665,7 @@ def _restore(manager: ocp.CheckpointManager, state: TrainState, meta: dict) -> T
     return restored.state
 
 
-def _validate(
+def validation_pass(
     eval_step,
     params,
     target_params,
@@ -673,11 +673,12 @@ def _validate(
     features,
     batch_size: int,
     seed: int,
-    place: Callable[[dict], dict],
-):
-    """Loss, per-position accuracy and greedy acceptance on held-out sequences (fixed anchors), and the
-    acceptance at temperature 1 when the loss reads the target's distributions; `place` puts each host
-    batch where the step reads it."""
+    place: Callable[[dict], dict] | None = None,
+) -> dict:
+    """Loss, per-position accuracy and greedy acceptance on held-out sequences (anchors fixed by `seed`),
+    and the acceptance at temperature 1 when the loss reads the target's distributions; `place` puts each
+    host batch where the step reads it (default: as it is)."""
+    place = place or (lambda batch: batch)
     key = jax.random.key(seed + 1)
     losses, total = [], None
     index = np.arange(-(-len(val) // batch_size) * batch_size)
@@ -893,7 +894,7 @@ def train(
                     console.print(f"step {step}/{total_steps}  {_progress_text(entry, tau)}")
                 pending, tokens = [], 0
             if val_features is not None and (step % config.validate_every == 0 or step == total_steps):
-                entry = _validate(
+                entry = validation_pass(
                     programs.eval_step,
                     state.params,
                     target.params,

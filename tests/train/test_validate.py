@@ -1,0 +1,127 @@
+"""`dflax validate` on a tiny target: a drafter's held-out numbers without training, as its training measured
+them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import dflax
+from dflax.cli import app
+from dflax.generation import encode_prompt
+from dflax.train.dataset import write_shard
+from dflax.train.report import TRAINING_RECORD
+from dflax.train.trainer import TrainConfig, train
+from dflax.train.validate import VALIDATION_SEED, validate_drafters
+
+QUIET = Console(quiet=True)
+RECIPE = TrainConfig(
+    target="tiny",
+    num_layers=2,
+    block_size=8,
+    anchors_per_seq=16,
+    max_seq_len=64,
+    batch_size=4,
+    logits_chunk=16,
+    lr=3e-3,
+    warmup_frac=0.05,
+    steps=40,
+    validate_every=40,
+    log_every=20,
+    seed=VALIDATION_SEED,
+    export_dtype="float32",  # the export is the final validation's parameters exactly
+)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint):
+    return dflax.load_target(str(tiny_checkpoint("qwen3")[0]))
+
+
+@pytest.fixture(scope="module")
+def held_out(target):
+    """A data directory of 12 training and 8 validation answers: the tiny target's greedy continuations."""
+    rng = np.random.default_rng(1)
+    prompts = [" ".join(f"w{t}" for t in rng.integers(3, 256, rng.integers(4, 12))) for _ in range(20)]
+    results = dflax.generate(target, prompts, max_new_tokens=40, temperature=0.0, batch_size=20)
+    seqs = [
+        (np.asarray(encode_prompt(target, p) + r.tokens, np.int32), len(encode_prompt(target, p)))
+        for p, r in zip(prompts, results)
+    ]
+    return {"train": seqs[:12], "validation": seqs[12:]}
+
+
+def write_data_dir(path: Path, splits: dict) -> Path:
+    path.mkdir()
+    for split, seqs in splits.items():
+        keys = [str(i) for i in range(len(seqs))]
+        write_shard(path / f"{split}-00000.npz", [(ids.tolist(), p) for ids, p in seqs], keys)
+    manifest = {"splits": {split: {"shards": [{"file": f"{split}-00000.npz"}]} for split in splits}}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(target, held_out, tmp_path_factory):
+    out = tmp_path_factory.mktemp("validate-run")
+    return train(RECIPE, target, held_out["train"], held_out["validation"], out, console=QUIET)
+
+
+def test_validate_gives_the_training_runs_own_final_validation(target, held_out, trained, tmp_path):
+    data = write_data_dir(tmp_path / "data", held_out)
+    (row,) = validate_drafters([str(trained.drafter_dir)], [data], target, console=QUIET)
+    final = json.loads((trained.drafter_dir / TRAINING_RECORD).read_text())["final_validation"]
+    assert row.sequences == 8 and row.block_size == 8
+    np.testing.assert_allclose(row.metrics["val_loss"], final["val_loss"], rtol=1e-5)
+    np.testing.assert_allclose(row.metrics["val_acc"], final["val_acc"], atol=1e-4)
+    np.testing.assert_allclose(row.metrics["val_tau"], final["val_tau"], rtol=1e-5)
+    assert row.metrics["val_tau"] > 1.0
+
+
+def test_drafters_share_anchors_and_features_and_a_recipe_can_be_given(target, held_out, trained, tmp_path):
+    """Every drafter sees the same held-out anchors (one drafter under two names, on two copies of one
+    data directory, gives one number four times); a drafter without TRAINING.json needs its recipe."""
+    data = write_data_dir(tmp_path / "data", held_out)
+    copy = shutil.copytree(data, tmp_path / "copy")
+    bare = tmp_path / "bare"
+    shutil.copytree(trained.drafter_dir, bare)
+    (bare / TRAINING_RECORD).unlink()
+    with pytest.raises(ValueError, match="--recipe"):
+        validate_drafters([str(bare)], [data], target, console=QUIET)
+    rows = validate_drafters(
+        [str(trained.drafter_dir), str(bare)], [data, copy], target, recipe=RECIPE, limit=4,
+        cache_dir=tmp_path / "cache", console=QUIET,
+    )  # fmt: skip
+    assert [(r.drafter, r.sequences) for r in rows] == [(str(trained.drafter_dir), 4)] * 2 + [
+        (str(bare), 4)
+    ] * 2
+    assert rows[0].metrics == rows[1].metrics == rows[2].metrics == rows[3].metrics
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".json", ".json", ".npy", ".npy"]
+    other = dataclasses.replace(RECIPE, seed=7)  # another seed: other anchors, another number
+    (moved,) = validate_drafters([str(bare)], [data], target, recipe=other, limit=4, console=QUIET)
+    assert moved.metrics == rows[2].metrics  # validate fixes the anchors' seed whatever the recipe's
+
+
+def test_cli_validate_prints_a_table_and_writes_json(target, held_out, trained, tmp_path, tiny_checkpoint):
+    data = write_data_dir(tmp_path / "data", held_out)
+    no_split = write_data_dir(tmp_path / "no-validation", {"train": held_out["train"]})
+    out = tmp_path / "rows.json"
+    args = ["validate", "--drafter", str(trained.drafter_dir), "--data", str(data), "--limit", "4"]
+    result = CliRunner().invoke(
+        app, [*args, "--target", str(tiny_checkpoint("qwen3")[0]), "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "| drafter | held-out answers |" in result.output and "(B=8)" in result.output
+    (row,) = json.loads(out.read_text())
+    assert row["sequences"] == 4 and len(row["metrics"]["val_accept"]) == 7
+    missing = CliRunner().invoke(
+        app, [*args[:3], "--data", str(no_split), "--target", str(tiny_checkpoint("qwen3")[0])]
+    )
+    assert missing.exit_code == 2 and "no 'validation' data" in " ".join(missing.output.split())
