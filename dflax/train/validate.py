@@ -154,6 +154,7 @@ def validate_drafters(
         TimeRemainingColumn(),
         console=console,
     )
+    weights = weights_fingerprint(target)
     rows = []
     with tempfile.TemporaryDirectory(prefix="dflax-validate-") as scratch, progress:
         features_dir = Path(cache_dir) if cache_dir is not None else Path(scratch)
@@ -171,7 +172,7 @@ def validate_drafters(
                     padded.tokens,
                     padded.lengths,
                     target=target,
-                    weights=weights_fingerprint(target),
+                    weights=weights,
                     dtype=feature_dtype,
                     taps=taps,
                     compute=compute,
