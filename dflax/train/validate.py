@@ -161,7 +161,10 @@ def validate_drafters(
         for name in drafters:
             drafter_dir = resolve_drafter_dir(name, target.name)
             config = drafter_recipe(drafter_dir, recipe)
-            config = dataclasses.replace(config, feature_dtype=feature_dtype, seed=VALIDATION_SEED)
+            # Greedy acceptance only: the loss is the cross-entropy (no KL to the target's distribution).
+            config = dataclasses.replace(
+                config, feature_dtype=feature_dtype, seed=VALIDATION_SEED, distill_weight=0.0
+            )
             eval_step, params, taps = _drafter_program(drafter_dir, config, target)
             compute = feature_program(target.module, taps, config.feature_tokens, feature_dtype)
             for index, (data, sequences) in enumerate(held_out.items()):
