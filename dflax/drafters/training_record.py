@@ -1,4 +1,5 @@
-"""What a drafter directory's TRAINING.json says about its measured acceptance (read by the cost model).
+"""What a drafter directory's TRAINING.json says: its measured acceptance (read by the cost model) and
+the recipe it was trained with (read by `dflax validate`).
 
 `dflax train` and `dflax pipeline` write TRAINING.json beside the exported weights; its
 `final_validation` holds the per-position acceptance (`val_accept`) and the rank acceptance
@@ -13,11 +14,21 @@ from pathlib import Path
 TRAINING_RECORD = "TRAINING.json"
 
 
-def _final_validation(path: Path) -> dict:
+def _record(path: Path) -> dict:
     record = Path(path) / TRAINING_RECORD
     if not record.is_file():
         return {}
-    return json.loads(record.read_text(encoding="utf-8")).get("final_validation") or {}
+    return json.loads(record.read_text(encoding="utf-8"))
+
+
+def _final_validation(path: Path) -> dict:
+    return _record(path).get("final_validation") or {}
+
+
+def recorded_recipe(path: Path) -> dict | None:
+    """The training recipe (TrainConfig fields) that a drafter directory's TRAINING.json recorded, or None
+    when it records none."""
+    return _record(path).get("train")
 
 
 def measured_acceptance(path: Path) -> tuple[float, ...] | None:

@@ -16,7 +16,6 @@ layers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,11 +28,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflax.drafters import SHIPPED
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, init_drafter_params
+from dflax.drafters.training_record import TRAINING_RECORD, recorded_recipe
 from dflax.target import Target, weights_fingerprint
 from dflax.train.dataset import load_sequences
 from dflax.train.features import cache_features
 from dflax.train.recipe import build_recipe
-from dflax.train.report import TRAINING_RECORD
 from dflax.train.trainer import (
     FEATURE_DTYPES,
     TrainConfig,
@@ -79,13 +78,13 @@ def drafter_recipe(drafter_dir: Path, recipe: TrainConfig | None = None) -> Trai
       ValueError: when the drafter carries no recipe and none is given, or it is not a DFlash drafter.
     """
     if recipe is None:
-        record_path = drafter_dir / TRAINING_RECORD
-        if not record_path.is_file():
+        recorded = recorded_recipe(drafter_dir)
+        if recorded is None:
             raise ValueError(
                 f"{drafter_dir} has no {TRAINING_RECORD} to read its training recipe from; pass the recipe "
                 "it was trained with (--recipe configs/train/...json)"
             )
-        recipe = build_recipe(TrainConfig, json.loads(record_path.read_text())["train"], str(record_path))
+        recipe = build_recipe(TrainConfig, recorded, str(drafter_dir / TRAINING_RECORD))
     if recipe.method != "dflash":
         raise ValueError(
             f"validate runs DFlash drafters; {drafter_dir} was trained by method {recipe.method!r}"
@@ -96,10 +95,8 @@ def drafter_recipe(drafter_dir: Path, recipe: TrainConfig | None = None) -> Trai
 def recorded_target(drafter: str) -> str | None:
     """The target a drafter directory's TRAINING.json says it was trained against (None: no record, or
     "shipped", whose target is the one it is asked for)."""
-    record_path = Path(drafter) / TRAINING_RECORD
-    if drafter == SHIPPED or not record_path.is_file():
-        return None
-    return json.loads(record_path.read_text())["train"]["target"]
+    recorded = None if drafter == SHIPPED else recorded_recipe(Path(drafter))
+    return None if recorded is None else recorded["target"]
 
 
 def validate_drafters(

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 from rich.progress import Progress
+from tiny_training import TINY, greedy_sequences, random_prompts, write_data_dir
 from typer.testing import CliRunner
 
 import dflax
@@ -30,11 +31,9 @@ from dflax.decoding.cache import KVCache
 from dflax.drafters import load_drafter, measured_acceptance, shipped_drafter_path
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, init_drafter_params
 from dflax.drafters.draft_vocab import frequent_tokens
-from dflax.generation import encode_prompt
 from dflax.models.transformer import Transformer
 from dflax.target import weights_fingerprint
 from dflax.train import objective, trainer
-from dflax.train.dataset import write_shard
 from dflax.train.features import FeatureCache, cache_features
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD
 from dflax.train.trainer import TrainConfig, batch_index, feature_program, pad_sequences, train
@@ -42,22 +41,6 @@ from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
 
 RECIPE = Path(__file__).parents[2] / "configs/train/dflash-smollm2.json"
 QUIET = Console(quiet=True)
-TINY = TrainConfig(
-    target="tiny",
-    num_layers=2,
-    block_size=8,
-    anchors_per_seq=16,
-    max_seq_len=64,
-    batch_size=4,
-    logits_chunk=16,
-    lr=3e-3,
-    warmup_frac=0.05,
-    steps=300,
-    checkpoint_every=100,
-    validate_every=150,
-    log_every=25,
-    export_dtype="bfloat16",
-)
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +50,13 @@ def target(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(0)
-    return [" ".join(f"w{t}" for t in rng.integers(3, 256, rng.integers(4, 12))) for _ in range(48)]
+    return random_prompts(48, seed=0)
 
 
 @pytest.fixture(scope="module")
 def sequences(target, prompts):
     """48 (ids, prompt_len) pairs: random prompts + the target's greedy continuation (40 tokens)."""
-    results = dflax.generate(target, prompts, max_new_tokens=40, temperature=0.0, batch_size=16)
-    seqs = []
-    for prompt, result in zip(prompts, results):
-        ids = encode_prompt(target, prompt)
-        seqs.append((np.asarray(ids + result.tokens, np.int32), len(ids)))
-    return seqs
+    return greedy_sequences(target, prompts)
 
 
 def tiny_proposer(target, block_size=8, num_layers=2):
@@ -787,17 +764,7 @@ def test_pipeline_refuses_a_data_recipe_for_another_target_before_loading_anythi
 
 
 def test_cli_trains_exports_and_resumes(target, tiny_checkpoint, sequences, tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    splits = {"train": sequences[:8], "validation": sequences[8:12]}
-    for split, seqs in splits.items():
-        write_shard(
-            data / f"{split}-00000.npz",
-            [(ids.tolist(), p) for ids, p in seqs],
-            [str(i) for i in range(len(seqs))],
-        )
-    manifest = {"splits": {split: {"shards": [{"file": f"{split}-00000.npz"}]} for split in splits}}
-    (data / "manifest.json").write_text(json.dumps(manifest))
+    data = write_data_dir(tmp_path / "data", {"train": sequences[:8], "validation": sequences[8:12]})
     config = dataclasses.replace(
         TINY, target=str(tiny_checkpoint("qwen3")[0]), max_seq_len=32, steps=None, epochs=1
     )

@@ -6,32 +6,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 from rich.console import Console
+from tiny_training import TINY, greedy_sequences, random_prompts, write_data_dir
 from typer.testing import CliRunner
 
 import dflax
 from dflax.cli import app
-from dflax.generation import encode_prompt
-from dflax.train.dataset import write_shard
 from dflax.train.report import TRAINING_RECORD
-from dflax.train.trainer import TrainConfig, train
+from dflax.train.trainer import train
 from dflax.train.validate import VALIDATION_SEED, validate_drafters
 
 QUIET = Console(quiet=True)
-RECIPE = TrainConfig(
-    target="tiny",
-    num_layers=2,
-    block_size=8,
-    anchors_per_seq=16,
-    max_seq_len=64,
-    batch_size=4,
-    logits_chunk=16,
-    lr=3e-3,
-    warmup_frac=0.05,
+RECIPE = dataclasses.replace(
+    TINY,
     steps=40,
     validate_every=40,
     log_every=20,
@@ -47,25 +37,9 @@ def target(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def held_out(target):
-    """A data directory of 12 training and 8 validation answers: the tiny target's greedy continuations."""
-    rng = np.random.default_rng(1)
-    prompts = [" ".join(f"w{t}" for t in rng.integers(3, 256, rng.integers(4, 12))) for _ in range(20)]
-    results = dflax.generate(target, prompts, max_new_tokens=40, temperature=0.0, batch_size=20)
-    seqs = [
-        (np.asarray(encode_prompt(target, p) + r.tokens, np.int32), len(encode_prompt(target, p)))
-        for p, r in zip(prompts, results)
-    ]
+    """12 training and 8 validation answers: the tiny target's greedy continuations."""
+    seqs = greedy_sequences(target, random_prompts(20, seed=1))
     return {"train": seqs[:12], "validation": seqs[12:]}
-
-
-def write_data_dir(path: Path, splits: dict) -> Path:
-    path.mkdir()
-    for split, seqs in splits.items():
-        keys = [str(i) for i in range(len(seqs))]
-        write_shard(path / f"{split}-00000.npz", [(ids.tolist(), p) for ids, p in seqs], keys)
-    manifest = {"splits": {split: {"shards": [{"file": f"{split}-00000.npz"}]} for split in splits}}
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    return path
 
 
 @pytest.fixture(scope="module")
