@@ -34,7 +34,7 @@ constexpr int64_t kMaxRowsPerTile = 4;
 constexpr int64_t kOutputsPerChunk = 48;  // a multiple of every tile's weight rows (3, 4 for one row or bf16)
 // Weight rows are prefetched this many groups of weight rows ahead, by all row tiles in equal shares (the
 // first row tile alone prefetching a group left the memory idle while the others computed: 16 rows of the
-// same weights 53-56 -> 42-45 ms), into L2 rather than L1: in L1 the rows of x evict them before their turn
+// same weights 53-56 -> 42-45 ms), into L2 rather than L1, where they compete with the rows of x for lines
 // (every product of a SmolLM2-135M forward, fp32 weights from memory, 2-core EPYC of the Zen 4 family,
 // interleaved runs: 4 / 8 / 16 rows 32.2 / 36.8 / 45.8 -> 25.3 / 26.4 / 40.8 ms; 1 and 24 rows unchanged;
 // 1 or 3 groups ahead, or into L3, no better). The bf16 pair tiles, whose rows of x take half the bytes,
