@@ -37,8 +37,8 @@ constexpr int64_t kOutputsPerChunk = 48;  // a multiple of every tile's weight r
 // same weights 53-56 -> 42-45 ms), into L2 rather than L1, where they compete with the rows of x for lines
 // (every product of a SmolLM2-135M forward, fp32 weights from memory, 2-core EPYC of the Zen 4 family,
 // interleaved runs: 4 / 8 / 16 rows 32.2 / 36.8 / 45.8 -> 25.3 / 26.4 / 40.8 ms; 1 and 24 rows unchanged;
-// 1 or 3 groups ahead, or into L3, no better). The bf16 pair tiles, whose rows of x take half the bytes,
-// keep prefetching into L1: a bf16 forward measured no faster with L2.
+// 1 or 3 groups ahead, or into L3, no better). The bf16 pair tiles keep prefetching into L1: a bf16 forward
+// measured no faster with L2.
 constexpr int64_t kPrefetchGroups = 2;
 constexpr int64_t kLineBytes = 64;
 
