@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflax.cpu_kernels.tree_attention import cpu_tree_attention, cpu_tree_attention_applies
 from dflax.decoding.cache import SharedPrefix, write_kv
 from dflax.models.block_attention import anchored_block_attention
 from dflax.models.config import RopeScaling
@@ -26,6 +27,7 @@ from pallas_kernels.shared_prefix import shared_prefix_attention
 from pallas_kernels.shared_prefix.packed import packed_shared_prefix_attention
 from pallas_kernels.tree_attention import resolve_backend, tree_attention
 from pallas_kernels.tree_attention.packed import packed_causal_attention
+from pallas_kernels.tree_attention.reference import default_scale
 
 ATTENTION_BACKENDS = (
     "reference",
@@ -60,7 +62,8 @@ class AttentionConfig:
         cache: the CPU path), "pallas" (the Pallas kernel of the TPU/GPU this process runs on),
         "pallas_tpu" / "pallas_gpu" (that platform's kernel whatever this process runs on: compiling ahead
         of time for a TPU or GPU topology from a CPU host), "pallas_interpret" (Pallas in interpret mode:
-        CPU tests), "auto" (Pallas on TPU/GPU, chunked on CPU).
+        CPU tests), "auto" (Pallas on TPU/GPU; on the CPU `dflax.cpu_kernels.tree_attention` for decode
+        and verify steps where it applies, chunked for the rest).
     """
 
     hidden_size: int
@@ -138,6 +141,13 @@ def attend(
     backend, interpret = _kernel_backend(cfg.backend)
 
     def run(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions):
+        if (
+            backend == "auto"
+            and resolve_backend(backend) == "chunked"
+            and cpu_tree_attention_applies(q, k_cache, k_new, cfg.sliding_window, None)
+        ):  # a decode or verify step on the CPU: one kernel call, not a loop of small products
+            scale = default_scale(q.shape[-1], cfg.scale)
+            return cpu_tree_attention(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, scale)
         return tree_attention(
             q,
             k_cache,
