@@ -2,16 +2,18 @@
 // attends to its row's filled cache slots [0, cache_len) and to the new tokens its mask lets it see.
 //
 // XLA's CPU program for the same attention (pallas_kernels/tree_attention/chunked.py) is a loop of small
-// batched products, softmax fusions and copies per layer: on a 2-core EPYC it cost SmolLM2 about 5 ms of a
-// 1-token step and 20 ms of a 17-token verify, most of it dispatch and copies. Here one call per layer
-// walks the keys once per query row: a query row's scores (8-lane FMAs over head_dim, one fixed reduction
-// per key), an exact two-pass softmax with a vector exp, and the value mix in registers.
+// batched products, softmax fusions and copies per layer: on a 2-core Zen 3 EPYC one SmolLM2 layer of a
+// 17-token verify after 256 cached tokens took 440-760 us that way, most of it dispatch and copies. Here
+// one call per layer reads every key once for three query rows of its kv head: the rows' scores (8-lane
+// FMAs over head_dim, one fixed reduction per key), an exact two-pass softmax with a vector exp, and the
+// value mix in registers (the same layer 155-200 us; one row per pass of the keys: 250 us).
 //
 // Every query row is computed by one fixed sequence of operations over its keys whatever the batch, the
 // number of new tokens or the thread, so a verified position attends exactly as decoding it alone would.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -24,7 +26,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRowsPerTask = 4;   // query rows (of one batch row and kv head) a task takes
+constexpr int64_t kRowsPerTask = 3;  // query rows (of one batch row and kv head) a task takes together
 
 // exp(x) for x <= 0 in 8 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (the
 // Taylor coefficients, relative error below 2e-7 on that range), times 2^n built in the exponent bits.
@@ -58,92 +60,99 @@ struct Shapes {
   int64_t batch, tokens, heads, kv_heads, slots, head_dim;
 };
 
-// One query row's attention: scores against `num_prefix` cached keys (rows of `k_prefix`, `head_dim` apart)
-// and the new keys `new_keys[0..num_new)` (rows `new_stride` apart) it sees where `sees[u]`, then the
-// softmax and the value mix into out. `scores` holds num_prefix + num_new floats.
-// V = head_dim / 8 vectors of a query row, kept in registers.
-template <int V>
-void AttendRow(const float* q, float scale, const float* k_prefix, const float* v_prefix, int64_t num_prefix,
-               const float* k_new, const float* v_new, int64_t new_stride, const bool* sees, int64_t num_new,
-               float* scores, float* out) {
-  constexpr int64_t vectors = V, head_dim = 8 * V;
-  __m256 qv[V];
-  for (int64_t d = 0; d < vectors; ++d) qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * d), _mm256_set1_ps(scale));
-  // Scores of four keys at once (four independent FMA chains over head_dim), each reduced across its
-  // lanes by the same fixed tree of adds, whichever of the four places it takes.
-  auto four_scores = [&](const float* k0, const float* k1, const float* k2, const float* k3) {
-    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
-    __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k3));
-    for (int64_t d = 1; d < vectors; ++d) {
-      a0 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k0 + 8 * d), a0);
-      a1 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k1 + 8 * d), a1);
-      a2 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k2 + 8 * d), a2);
-      a3 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k3 + 8 * d), a3);
-    }
-    // [a0 l0+l1, a0 l2+l3, a1 .., a1 .., | a0 l4+l5, ...] then pairs again: lane k of each half holds key
-    // k's sum over that half; the halves add last.
-    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));  // [4]
-  };
+// The attention of R query rows that share their keys (query heads of one kv head): scores against
+// `num_prefix` cached keys (rows of `k_prefix`, `head_dim` apart) and the `num_new` new keys (rows
+// `new_stride` apart), row r seeing new key u where sees[r][u]; then each row's softmax and the value
+// mix into out[r]. Every key is read once for all R rows. V = head_dim / 8; `scores` holds
+// R x (num_prefix + num_new) floats.
+//
+// A row's result is the same whichever rows share its call: its score of a key is one fixed chain of
+// FMAs over head_dim and one fixed tree of adds across the lanes, its probabilities add up in 8 lanes by
+// key index, and its value mix adds the keys in order (a key it does not see adds an exact zero).
+template <int V, int R>
+void AttendRows(const float* const* q, float scale, const float* k_prefix, const float* v_prefix,
+                int64_t num_prefix, const float* k_new, const float* v_new, int64_t new_stride,
+                const bool* const* sees, int64_t num_new, float* scores, float* const* out) {
+  constexpr int64_t head_dim = 8 * V;
   const int64_t total = num_prefix + num_new;
-  // Keys in order: the prefix, then the new tokens (a key a query does not see still gets a score,
-  // replaced by -inf below).
-  auto key = [&](int64_t j) { return j < num_prefix ? k_prefix + j * head_dim : k_new + (j - num_prefix) * new_stride; };
-  alignas(32) static const float zeros[8 * V] = {};
-  __m128 max4 = _mm_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < total; j += 4) {
-    const float* k0 = key(j);
-    const float* k1 = j + 1 < total ? key(j + 1) : zeros;
-    const float* k2 = j + 2 < total ? key(j + 2) : zeros;
-    const float* k3 = j + 3 < total ? key(j + 3) : zeros;
-    alignas(16) float four[4];
-    _mm_store_ps(four, four_scores(k0, k1, k2, k3));
-    for (int64_t i = 0; i < 4 && j + i < total; ++i) {
-      const int64_t u = j + i - num_prefix;
-      scores[j + i] = u >= 0 && !sees[u] ? -INFINITY : four[i];
+  alignas(32) float qs[R][head_dim];  // the rows times the scale
+  for (int r = 0; r < R; ++r)
+    for (int64_t d = 0; d < V; ++d)
+      _mm256_store_ps(qs[r] + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(q[r] + 8 * d), _mm256_set1_ps(scale)));
+  auto key = [&](int64_t j) {  // the prefix, then the new tokens
+    return j < num_prefix ? k_prefix + j * head_dim : k_new + (j - num_prefix) * new_stride;
+  };
+  auto value = [&](int64_t j) { return j < num_prefix ? v_prefix + j * head_dim : v_new + (j - num_prefix) * new_stride; };
+  float max_score[R];
+  for (int r = 0; r < R; ++r) max_score[r] = -INFINITY;
+  for (int64_t j = 0; j < total; ++j) {
+    const float* k = key(j);
+    __m256 acc[4];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_mul_ps(_mm256_loadu_ps(k), _mm256_load_ps(qs[r]));
+    for (int r = R; r < 4; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 1; d < V; ++d) {
+      const __m256 kv = _mm256_loadu_ps(k + 8 * d);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(kv, _mm256_load_ps(qs[r] + 8 * d), acc[r]);
     }
-  }
-  float max_score = -INFINITY;
-  for (int64_t j = 0; j < total; ++j) max_score = std::max(max_score, scores[j]);
-  (void)max4;
-  if (max_score == -INFINITY) {  // sees no key: zero, as the reference gives
-    std::memset(out, 0, head_dim * sizeof(float));
-    return;
+    // Lane r of the low half: row r's (l0 + l1) + (l2 + l3); of the high half its (l4 + l5) + (l6 + l7).
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    alignas(16) float four[4];
+    _mm_store_ps(four, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+    const int64_t u = j - num_prefix;
+    for (int r = 0; r < R; ++r) {
+      const float score = u >= 0 && !sees[r][u] ? -INFINITY : four[r];
+      scores[r * total + j] = score;
+      max_score[r] = std::max(max_score[r], score);
+    }
   }
   // Probabilities in place (unseen keys: exp(-inf - max) = 0), summed in 8 lanes and then across them.
-  const __m256 max_v = _mm256_set1_ps(max_score);
-  __m256 denom_v = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= total; j += 8) {
-    __m256 p = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), max_v));
-    _mm256_storeu_ps(scores + j, p);
-    denom_v = _mm256_add_ps(denom_v, p);
+  float inverse[R];
+  for (int r = 0; r < R; ++r) {
+    float* row = scores + r * total;
+    if (max_score[r] == -INFINITY) {  // sees no key: probabilities 0, output 0 as the reference gives
+      std::fill(row, row + total, 0.0f);
+      inverse[r] = 0.0f;
+      continue;
+    }
+    const __m256 max_v = _mm256_set1_ps(max_score[r]);
+    __m256 denom_v = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= total; j += 8) {
+      const __m256 p = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(row + j), max_v));
+      _mm256_storeu_ps(row + j, p);
+      denom_v = _mm256_add_ps(denom_v, p);
+    }
+    if (j < total) {
+      alignas(32) float tail[8];
+      std::fill(tail, tail + 8, -INFINITY);
+      std::copy(row + j, row + total, tail);
+      const __m256 p = ExpNonPositive(_mm256_sub_ps(_mm256_load_ps(tail), max_v));
+      _mm256_store_ps(tail, p);
+      std::copy(tail, tail + (total - j), row + j);
+      denom_v = _mm256_add_ps(denom_v, p);
+    }
+    inverse[r] = 1.0f / HorizontalSum(denom_v);
   }
-  if (j < total) {
-    alignas(32) float tail[8];
-    std::fill(tail, tail + 8, -INFINITY);
-    std::copy(scores + j, scores + total, tail);
-    __m256 p = ExpNonPositive(_mm256_sub_ps(_mm256_load_ps(tail), max_v));
-    _mm256_store_ps(tail, p);
-    std::copy(tail, tail + (total - j), scores + j);
-    denom_v = _mm256_add_ps(denom_v, p);
+  // The value mix, four vectors of head_dim at a time: 4 R accumulators stay in registers while every
+  // key's four value vectors are read once for the R rows.
+  for (int64_t d0 = 0; d0 < V; d0 += 4) {
+    constexpr int kSpan = V < 4 ? V : 4;
+    __m256 acc[R][kSpan];
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < kSpan; ++d) acc[r][d] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < total; ++j) {
+      const float* v = value(j) + 8 * d0;
+      __m256 vv[kSpan];
+      for (int d = 0; d < kSpan; ++d) vv[d] = _mm256_loadu_ps(v + 8 * d);
+      for (int r = 0; r < R; ++r) {
+        const __m256 p = _mm256_broadcast_ss(scores + r * total + j);
+        for (int d = 0; d < kSpan; ++d) acc[r][d] = _mm256_fmadd_ps(p, vv[d], acc[r][d]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < kSpan; ++d)
+        _mm256_storeu_ps(out[r] + 8 * (d0 + d), _mm256_mul_ps(acc[r][d], _mm256_set1_ps(inverse[r])));
   }
-  const float inverse = 1.0f / HorizontalSum(denom_v);
-  __m256 acc[V];
-  for (int64_t d = 0; d < vectors; ++d) acc[d] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < num_prefix; ++i) {
-    const __m256 p = _mm256_set1_ps(scores[i]);
-    const float* value = v_prefix + i * head_dim;
-    for (int64_t d = 0; d < vectors; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * d), acc[d]);
-  }
-  for (int64_t u = 0; u < num_new; ++u) {
-    if (!sees[u]) continue;
-    const __m256 p = _mm256_set1_ps(scores[num_prefix + u]);
-    const float* value = v_new + u * new_stride;
-    for (int64_t d = 0; d < vectors; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * d), acc[d]);
-  }
-  const __m256 inverse_v = _mm256_set1_ps(inverse);
-  for (int64_t d = 0; d < vectors; ++d) _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], inverse_v));
 }
 
 struct Work {
@@ -159,7 +168,7 @@ struct Operands {
   float* out;
   float scale;
   Shapes s;
-  decltype(&AttendRow<8>) row;  // AttendRow for this head_dim
+  std::array<decltype(&AttendRows<8, 1>), 3> rows;  // AttendRows for this head_dim and 1, 2, 3 rows
 };
 
 // Tasks: (batch row, kv head, block of kRowsPerTask query rows of that kv head's tokens x group heads).
@@ -168,19 +177,26 @@ void RunTasks(Work& work, const Operands& a) {
   const int64_t group = s.heads / s.kv_heads;
   const int64_t rows = s.tokens * group;  // query rows per (batch row, kv head)
   const int64_t blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  std::vector<float> scores(s.slots + s.tokens);
+  std::vector<float> scores(kRowsPerTask * (s.slots + s.tokens));
   for (int64_t task; (task = work.next.fetch_add(1)) < work.tasks;) {
     const int64_t block = task % blocks, kv = task / blocks % s.kv_heads, b = task / blocks / s.kv_heads;
     const int64_t filled = std::clamp<int64_t>(a.cache_len[b], 0, s.slots);
     const int64_t cache_offset = (b * s.kv_heads + kv) * s.slots * s.head_dim;
     const int64_t new_offset = (b * s.tokens * s.kv_heads + kv) * s.head_dim;
-    for (int64_t row = block * kRowsPerTask; row < std::min(rows, (block + 1) * kRowsPerTask); ++row) {
-      const int64_t t = row / group, head = kv * group + row % group;
+    const float* q[kRowsPerTask];
+    const bool* sees[kRowsPerTask];
+    float* out[kRowsPerTask];
+    const int64_t first = block * kRowsPerTask, count = std::min(rows, first + kRowsPerTask) - first;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t t = (first + i) / group, head = kv * group + (first + i) % group;
       const int64_t q_offset = ((b * s.tokens + t) * s.heads + head) * s.head_dim;
-      a.row(a.q + q_offset, a.scale, a.k_cache + cache_offset, a.v_cache + cache_offset, filled,
-            a.k_new + new_offset, a.v_new + new_offset, s.kv_heads * s.head_dim,
-            a.mask + (b * s.tokens + t) * s.tokens, s.tokens, scores.data(), a.out + q_offset);
+      q[i] = a.q + q_offset;
+      out[i] = a.out + q_offset;
+      sees[i] = a.mask + (b * s.tokens + t) * s.tokens;
     }
+    a.rows[count - 1](q, a.scale, a.k_cache + cache_offset, a.v_cache + cache_offset, filled,
+                      a.k_new + new_offset, a.v_new + new_offset, s.kv_heads * s.head_dim, sees, s.tokens,
+                      scores.data(), out);
     work.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -195,12 +211,12 @@ ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   auto cd = k_cache.dimensions();
   Operands a{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), k_new.typed_data(), v_new.typed_data(),
              cache_len.typed_data(), mask.typed_data(), out->typed_data(), scale,
-             Shapes{qd[0], qd[1], qd[2], cd[1], cd[2], qd[3]}, nullptr};
+             Shapes{qd[0], qd[1], qd[2], cd[1], cd[2], qd[3]}, {}};
   switch (a.s.head_dim) {
-    case 32: a.row = AttendRow<4>; break;
-    case 64: a.row = AttendRow<8>; break;
-    case 128: a.row = AttendRow<16>; break;
-    case 256: a.row = AttendRow<32>; break;
+    case 32: a.rows = {AttendRows<4, 1>, AttendRows<4, 2>, AttendRows<4, 3>}; break;
+    case 64: a.rows = {AttendRows<8, 1>, AttendRows<8, 2>, AttendRows<8, 3>}; break;
+    case 128: a.rows = {AttendRows<16, 1>, AttendRows<16, 2>, AttendRows<16, 3>}; break;
+    case 256: a.rows = {AttendRows<32, 1>, AttendRows<32, 2>, AttendRows<32, 3>}; break;
     default: return ffi::Error::InvalidArgument("tree_attention: head_dim must be 32, 64, 128 or 256");
   }
   auto work = std::make_shared<Work>();

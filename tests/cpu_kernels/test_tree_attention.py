@@ -66,14 +66,18 @@ def test_a_query_that_sees_no_key_gives_zero():
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_tokens():
-    q, k_cache, v_cache, k_new, v_new = _operands(3, 9, 9, 3, 64, 64, seed=1)
+    # 4 query heads per kv head, taken 3 rows at a time: 9 tokens and 4 group their rows differently.
+    q, k_cache, v_cache, k_new, v_new = _operands(3, 9, 8, 2, 64, 64, seed=1)
     cache_len = jnp.asarray([40, 7, 61], jnp.int32)
     together = np.asarray(_kernel(q, k_cache, v_cache, cache_len, k_new, v_new, None, 0.125))
     for b in range(3):  # one batch row alone
         alone = _kernel(*(x[b : b + 1] for x in (q, k_cache, v_cache, cache_len, k_new, v_new)), None, 0.125)
         np.testing.assert_array_equal(np.asarray(alone)[0], together[b])
-    fewer = _kernel(q[:, :4], k_cache, v_cache, cache_len, k_new[:, :4], v_new[:, :4], None, 0.125)
-    np.testing.assert_array_equal(np.asarray(fewer), together[:, :4])  # the chain's first 4 tokens
+    for count in (1, 4):  # the chain's first tokens
+        fewer = _kernel(
+            q[:, :count], k_cache, v_cache, cache_len, k_new[:, :count], v_new[:, :count], None, 0.125
+        )
+        np.testing.assert_array_equal(np.asarray(fewer), together[:, :count])
 
 
 def test_a_chain_position_attends_bitwise_as_decoding_it_alone_would():
