@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from dflax.cpu_info import cpu_model_and_flags
 from dflax.cpu_kernels.few_rows_matmul import cpu_products
+from dflax.cpu_kernels.tree_attention import cpu_attention
 from dflax.models.layers import dot_float32
 
 # CPU features that decide how fast a bf16 or float32 product runs (AMX and AVX-512 BF16 multiply bf16
@@ -29,7 +30,8 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 def machine_facts() -> dict[str, Any]:
     """What this process computes on: backend, devices, CPU model and its matmul-relevant flags, what takes
-    a few rows' products on the CPU (`dflax.cpu_kernels.few_rows_matmul.cpu_products`), jax."""
+    a few rows' products on the CPU (`dflax.cpu_kernels.few_rows_matmul.cpu_products`) and a decode step's
+    attention (`dflax.cpu_kernels.tree_attention.cpu_attention`), jax."""
     model, flags = cpu_model_and_flags()
     return {
         "backend": jax.default_backend(),
@@ -38,6 +40,7 @@ def machine_facts() -> dict[str, Any]:
         "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
         "cpu_count": os.cpu_count(),
         "cpu_products": cpu_products(),
+        "cpu_attention": cpu_attention(),
         "jax": jax.__version__,
     }
 

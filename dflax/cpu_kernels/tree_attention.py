@@ -11,16 +11,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflax.cpu_kernels.build import load_kernel
+from dflax.cpu_kernels.build import library_path, load_kernel
 from pallas_kernels.tree_attention import tree_attention_chunked, tree_attention_reference
 
 MAX_TOKENS = 64
 """Up to this many new tokens per row (decode steps, verify chains and trees) the kernel takes the
-attention; prompts keep the chunked path, whose products do a long prompt's T^2 work faster."""
+attention; prompts keep the chunked path, whose batched products suit a long prompt's T^2 work (the kernel
+was not timed on prompts)."""
 
 _SOURCE = Path(__file__).with_suffix(".cc")
 _SYMBOL = "dflax_tree_attention_f32"
 _HEAD_DIMS = (32, 64, 128, 256)
+
+
+def cpu_attention() -> str:
+    """What attends a decode or verify step on this CPU: the kernel's build (named by its source), or
+    "xla" when it is off or did not build. Part of the key of measured decode-step costs."""
+    return library_path(_SOURCE).stem if load_kernel(_SOURCE, (_SYMBOL,)) else "xla"
 
 
 def cpu_tree_attention_applies(
