@@ -9,14 +9,14 @@
 // value mix in registers (the same layer 155-200 us; one row per pass of the keys: 250 us).
 //
 // Every query row is computed by one fixed sequence of operations over its keys whatever the batch, the
-// number of new tokens or the thread, so a verified position attends exactly as decoding it alone would.
+// number of new tokens or the thread, so a position of a verified chain attends exactly as decoding it
+// alone would.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <vector>
 

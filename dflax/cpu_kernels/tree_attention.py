@@ -13,6 +13,7 @@ import numpy as np
 
 from dflax.cpu_kernels.build import library_path, load_kernel
 from pallas_kernels.tree_attention import tree_attention_chunked, tree_attention_reference
+from pallas_kernels.tree_attention.reference import new_token_visibility, query_positions
 
 MAX_TOKENS = 64
 """Up to this many new tokens per row (decode steps, verify chains and trees) the kernel takes the
@@ -51,10 +52,6 @@ def cpu_tree_attention_applies(
         and logit_soft_cap is None
         and load_kernel(_SOURCE, (_SYMBOL,))
     )
-
-
-def _causal(b: int, t: int) -> jax.Array:
-    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))  # [B, T, T]
 
 
 def _kernel(q, k_cache, v_cache, cache_len, k_new, v_new, mask, scale):
@@ -117,6 +114,6 @@ def cpu_tree_attention(
       [B, T, N, H] float32; rows that see no key are zero. Each query row is computed the same way whatever
       the other rows and tokens (bitwise). Only for attention `cpu_tree_attention_applies` accepts.
     """
-    b, t = q.shape[:2]
-    mask = _causal(b, t) if tree_mask is None else tree_mask
+    positions = query_positions(cache_len, q.shape[1], None)  # [B, T]; no window: only the shape counts
+    mask = new_token_visibility(tree_mask, positions, None)  # [B, T, T], causal when tree_mask is None
     return _attention(q, k_cache, v_cache, cache_len, k_new, v_new, mask, float(sm_scale))
