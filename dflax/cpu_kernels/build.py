@@ -1,9 +1,9 @@
 """Compiles a kernel's C++ source into a shared library once per machine and registers it with XLA's FFI.
 
 The library is cached in dflax's cache directory (`cpu_kernels/`), named by a hash of the source, the
-compiler flags and the jaxlib version, so a changed kernel or jaxlib rebuilds it and parallel processes
-(pytest workers) share one build. DFLAX_CPU_KERNELS=0 turns the kernels off (XLA's
-products everywhere), for comparisons.
+headers beside it, the compiler flags and the jaxlib version, so a changed kernel, header or jaxlib
+rebuilds it and parallel processes (pytest workers) share one build. DFLAX_CPU_KERNELS=0 turns the
+kernels off (XLA's products everywhere), for comparisons.
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ def cpu_has_avx2_fma() -> bool:
 
 
 def library_path(source: Path) -> Path:
-    """Where the library built from `source` is cached: named by the source, the flags and jaxlib."""
-    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + jaxlib.__version__.encode())
+    """Where the library built from `source` is cached: named by the source, the headers beside it (the
+    kernels include them), the flags and jaxlib."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(
+        source.read_bytes() + headers + " ".join(_FLAGS).encode() + jaxlib.__version__.encode()
+    )
     return cache_dir() / "cpu_kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 

@@ -15,11 +15,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 #include <type_traits>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -49,12 +48,6 @@ inline __m256 LoadWeights(const uint16_t* w) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // R rows of x (float32, [R, K]) times U weight rows starting at output o. Each k step also prefetches the
 // line at `ahead` + step * `ahead_stride` bytes (and the next one when the stride exceeds a line): the row
 // tiles of one group of weight rows share the prefetching of a later group evenly, so loads from memory
@@ -77,7 +70,7 @@ inline void Tile(const float* x, const W* w, float* out, int64_t K, int64_t O, i
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) out[r * O + o + u] = HorizontalSum(acc[r][u]);
+    for (int u = 0; u < U; ++u) out[r * O + o + u] = dflax::HorizontalSum(acc[r][u]);
 }
 
 // With AVX-512 BF16 (Zen 4 and later, Xeons since Cooper Lake) bf16 rows times bf16 weights take vdpbf16ps:
@@ -173,37 +166,18 @@ inline void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t M, i
   DotOutputRange(x, w, out, M, K, O, b, e);
 }
 
-// Chunks of outputs handed out by an atomic counter to the calling thread and to pool tasks; the caller
-// waits only for chunks a task has already taken, so a task the pool starts late finds nothing to do and a
-// busy pool never blocks the call.
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t chunks = 0;
-};
-
-template <typename X, typename W>
-void RunChunks(Work& work, const X* x, const W* w, float* out, int64_t M, int64_t K, int64_t O) {
-  for (int64_t c; (c = work.next.fetch_add(1)) < work.chunks;) {
-    int64_t begin = c * kOutputsPerChunk;
-    Range(x, w, out, M, K, O, begin, std::min(O, begin + kOutputsPerChunk));
-    work.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
+// Chunks of kOutputsPerChunk outputs over the intra-op thread pool.
 template <typename X, typename W>
 ffi::Error FewRowsMatmul(ffi::ThreadPool pool, const X* x, const W* w, float* out, int64_t M, int64_t K,
                          int64_t O) {
   if (K % kLanes<X> != 0)
     return ffi::Error::InvalidArgument(
         "few_rows_matmul: the contraction must be a multiple of 8 (of 32 for bf16 rows)");
-  auto work = std::make_shared<Work>();
-  work->chunks = (O + kOutputsPerChunk - 1) / kOutputsPerChunk;
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([work, x, w, out, M, K, O] { RunChunks(*work, x, w, out, M, K, O); });
-  RunChunks(*work, x, w, out, M, K, O);
-  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+  const int64_t chunks = (O + kOutputsPerChunk - 1) / kOutputsPerChunk;
+  dflax::ParallelFor(pool, chunks, [x, w, out, M, K, O](int64_t chunk) {
+    const int64_t begin = chunk * kOutputsPerChunk;
+    Range(x, w, out, M, K, O, begin, std::min(O, begin + kOutputsPerChunk));
+  });
   return ffi::Error::Success();
 }
 

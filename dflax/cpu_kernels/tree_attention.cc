@@ -15,11 +15,10 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -48,12 +47,6 @@ inline __m256 ExpNonPositive(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(below, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
-}
-
-inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 struct Shapes {
@@ -131,7 +124,7 @@ void AttendRows(const float* const* q, float scale, const float* k_prefix, const
       std::copy(tail, tail + (total - j), row + j);
       denom_v = _mm256_add_ps(denom_v, p);
     }
-    inverse[r] = 1.0f / HorizontalSum(denom_v);
+    inverse[r] = 1.0f / dflax::HorizontalSum(denom_v);
   }
   // The value mix, four vectors of head_dim at a time: 4 R accumulators stay in registers while every
   // key's four value vectors are read once for the R rows.
@@ -155,12 +148,6 @@ void AttendRows(const float* const* q, float scale, const float* k_prefix, const
   }
 }
 
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t tasks = 0;
-};
-
 struct Operands {
   const float *q, *k_cache, *v_cache, *k_new, *v_new;
   const int32_t* cache_len;
@@ -171,34 +158,33 @@ struct Operands {
   std::array<decltype(&AttendRows<8, 1>), 3> rows;  // AttendRows for this head_dim and 1, 2, 3 rows
 };
 
-// Tasks: (batch row, kv head, block of kRowsPerTask query rows of that kv head's tokens x group heads).
-void RunTasks(Work& work, const Operands& a) {
+// Task `task` of (batch row, kv head, block of kRowsPerTask query rows of that kv head's tokens x group
+// heads); `scores` is the calling thread's scratch, resized to kRowsPerTask x (slots + tokens).
+void RunTask(int64_t task, const Operands& a) {
   const Shapes& s = a.s;
   const int64_t group = s.heads / s.kv_heads;
   const int64_t rows = s.tokens * group;  // query rows per (batch row, kv head)
   const int64_t blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  std::vector<float> scores(kRowsPerTask * (s.slots + s.tokens));
-  for (int64_t task; (task = work.next.fetch_add(1)) < work.tasks;) {
-    const int64_t block = task % blocks, kv = task / blocks % s.kv_heads, b = task / blocks / s.kv_heads;
-    const int64_t filled = std::clamp<int64_t>(a.cache_len[b], 0, s.slots);
-    const int64_t cache_offset = (b * s.kv_heads + kv) * s.slots * s.head_dim;
-    const int64_t new_offset = (b * s.tokens * s.kv_heads + kv) * s.head_dim;
-    const float* q[kRowsPerTask];
-    const bool* sees[kRowsPerTask];
-    float* out[kRowsPerTask];
-    const int64_t first = block * kRowsPerTask, count = std::min(rows, first + kRowsPerTask) - first;
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t t = (first + i) / group, head = kv * group + (first + i) % group;
-      const int64_t q_offset = ((b * s.tokens + t) * s.heads + head) * s.head_dim;
-      q[i] = a.q + q_offset;
-      out[i] = a.out + q_offset;
-      sees[i] = a.mask + (b * s.tokens + t) * s.tokens;
-    }
-    a.rows[count - 1](q, a.scale, a.k_cache + cache_offset, a.v_cache + cache_offset, filled,
-                      a.k_new + new_offset, a.v_new + new_offset, s.kv_heads * s.head_dim, sees, s.tokens,
-                      scores.data(), out);
-    work.done.fetch_add(1, std::memory_order_release);
+  thread_local std::vector<float> scores;
+  scores.resize(kRowsPerTask * (s.slots + s.tokens));
+  const int64_t block = task % blocks, kv = task / blocks % s.kv_heads, b = task / blocks / s.kv_heads;
+  const int64_t filled = std::clamp<int64_t>(a.cache_len[b], 0, s.slots);
+  const int64_t cache_offset = (b * s.kv_heads + kv) * s.slots * s.head_dim;
+  const int64_t new_offset = (b * s.tokens * s.kv_heads + kv) * s.head_dim;
+  const float* q[kRowsPerTask];
+  const bool* sees[kRowsPerTask];
+  float* out[kRowsPerTask];
+  const int64_t first = block * kRowsPerTask, count = std::min(rows, first + kRowsPerTask) - first;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t t = (first + i) / group, head = kv * group + (first + i) % group;
+    const int64_t q_offset = ((b * s.tokens + t) * s.heads + head) * s.head_dim;
+    q[i] = a.q + q_offset;
+    out[i] = a.out + q_offset;
+    sees[i] = a.mask + (b * s.tokens + t) * s.tokens;
   }
+  a.rows[count - 1](q, a.scale, a.k_cache + cache_offset, a.v_cache + cache_offset, filled,
+                    a.k_new + new_offset, a.v_new + new_offset, s.kv_heads * s.head_dim, sees, s.tokens,
+                    scores.data(), out);
 }
 
 // q [B, T, N, H], k_cache / v_cache [B, K, S, H], cache_len [B] int32, k_new / v_new [B, T, K, H],
@@ -219,13 +205,9 @@ ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
     case 256: a.rows = {AttendRows<32, 1>, AttendRows<32, 2>, AttendRows<32, 3>}; break;
     default: return ffi::Error::InvalidArgument("tree_attention: head_dim must be 32, 64, 128 or 256");
   }
-  auto work = std::make_shared<Work>();
   const int64_t rows = a.s.tokens * (a.s.heads / a.s.kv_heads);
-  work->tasks = a.s.batch * a.s.kv_heads * ((rows + kRowsPerTask - 1) / kRowsPerTask);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, a] { RunTasks(*work, a); });
-  RunTasks(*work, a);
-  while (work->done.load(std::memory_order_acquire) < work->tasks) _mm_pause();
+  const int64_t tasks = a.s.batch * a.s.kv_heads * ((rows + kRowsPerTask - 1) / kRowsPerTask);
+  dflax::ParallelFor(pool, tasks, [a](int64_t task) { RunTask(task, a); });
   return ffi::Error::Success();
 }
 
