@@ -11,11 +11,17 @@ import pytest
 
 # Tests run on the CPU in float32; keep XLA from grabbing every core for one op.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Every run gets its own empty dflax cache (GGUF conversions, tokenizers, joined model files, XLA cache), so
-# nothing a previous run or another checkout converted can stand in for what this code converts. Set before
-# dflax is imported and inherited by the subprocesses tests start.
-os.environ["DFLAX_CACHE"] = tempfile.mkdtemp(prefix="dflax-test-cache-")
-atexit.register(shutil.rmtree, os.environ["DFLAX_CACHE"], ignore_errors=True)
+# Every run gets one empty dflax cache (GGUF conversions, tokenizers, joined model files, CPU kernels), so
+# nothing a previous run or another checkout converted can stand in for what this code converts. The
+# process that makes it (pytest alone, or the xdist controller) owns it and removes it at exit; xdist workers
+# and the subprocesses tests start inherit it, so each conversion is done once per run rather than once per
+# worker (the cache's writes are atomic renames, so two workers converting the same file at once is safe).
+# Set before dflax is imported.
+_CACHE_OWNER = "DFLAX_TEST_CACHE_OWNER"
+if os.environ.get(_CACHE_OWNER) is None:
+    os.environ["DFLAX_CACHE"] = tempfile.mkdtemp(prefix="dflax-test-cache-")
+    os.environ[_CACHE_OWNER] = str(os.getpid())
+    atexit.register(shutil.rmtree, os.environ["DFLAX_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,11 @@ runs never share a cache."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
+
+import pytest
 
 from dflax.checkpoints import gguf_file, model_files, tokenizer
 from dflax.checkpoints.hf_dir import read_hf_dir
@@ -15,6 +18,14 @@ def test_each_run_converts_into_its_own_empty_cache():
     cache = model_files.cache_dir()
     assert cache.parent == Path(tempfile.gettempdir()) and cache.name.startswith("dflax-test-cache-")
     assert cache != Path.home() / ".cache" / "dflax"
+
+
+def test_xdist_workers_share_the_cache_their_controller_made():
+    """Under xdist the controller makes the run's cache and the workers inherit it (conftest), so a GGUF
+    is converted once per run; a worker making its own would convert every model again."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        pytest.skip("not an xdist worker (run with -n 2)")
+    assert os.environ["DFLAX_TEST_CACHE_OWNER"] != str(os.getpid())
 
 
 def test_gguf_cache_key_covers_the_conversion_code():
