@@ -208,10 +208,12 @@ def _block_size_value(text: str) -> int | str:
     return value
 
 
-def _auto_chooser(loaded, records, batch_size: int, max_new_tokens: int, trees: bool, static: bool):
+def _auto_chooser(
+    loaded, records, batch_size: int, max_new_tokens: int, trees: bool, static: bool, temperature: float
+):
     """choose(drafter) -> (the drafter at the cost model's block size (or tree budget, with `trees`) for
-    this run (static batches or continuous batching), or None (plain decoding); the choice); it says
-    which."""
+    this run (static batches or continuous batching, at `temperature`), or None (plain decoding); the
+    choice); it says which."""
     from dflax.cost_curve import auto_block_size
     from dflax.generation import cache_slots, encode_prompt, prompt_bucket
 
@@ -229,6 +231,7 @@ def _auto_chooser(loaded, records, batch_size: int, max_new_tokens: int, trees: 
                     trees,
                     slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
                     static_tokens=max_new_tokens if static else None,
+                    temperature=temperature,
                 )
         except ValueError as e:
             _fail(str(e))
@@ -471,7 +474,9 @@ def generate(
         from dflax.cost_curve import probe_size, scaled_to_probe
 
         trees = tree_budget is None  # --tree-budget 0 asks for chains
-        choose = _auto_chooser(loaded, todo, batch_size, max_new_tokens, trees, static=refills is None)
+        choose = _auto_chooser(
+            loaded, todo, batch_size, max_new_tokens, trees, static=refills is None, temperature=temperature
+        )
         unchosen, (spec_drafter, first_choice) = spec_drafter, choose(spec_drafter)
         if spec_drafter is not None:  # plain decoding measures no acceptance
             probe = probe_size(min(batch_size, len(todo)), len(todo))

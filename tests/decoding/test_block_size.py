@@ -22,7 +22,13 @@ from dflax.decoding.block_size import (
     static_batch_tau,
 )
 from dflax.decoding.tree_budget import tree_commit_moments
-from dflax.drafters import load_dart, load_drafter, measured_acceptance, measured_rank_acceptance
+from dflax.drafters import (
+    DraftSampling,
+    load_dart,
+    load_drafter,
+    measured_acceptance,
+    measured_rank_acceptance,
+)
 from dflax.drafters.dart import DartConfig
 
 # A whole decode step per block size, relative to a plain step: flat-ish up to 4 tokens, then growing (the
@@ -141,7 +147,9 @@ def test_auto_weighs_trees_when_the_drafter_recorded_rank_acceptance(tiny, monke
     costs = cost_curve.step_costs(target, drafter, 2, 20, 0, [2, 4], tree_budgets=(4,))
     assert costs["plain_s"] > 0 and set(costs["chain_s"]) == {2, 4} and set(costs["tree_s"]) == {4}
 
-    def flat_costs(target, drafter, rows, context, slots, candidates, reps=7, tree_budgets=()):
+    def flat_costs(
+        target, drafter, rows, context, slots, candidates, reps=7, tree_budgets=(), temperature=0.0
+    ):
         return {
             "plain_s": 1.0,
             "chain_s": {b: 1.1 for b in candidates},
@@ -157,6 +165,29 @@ def test_auto_weighs_trees_when_the_drafter_recorded_rank_acceptance(tiny, monke
     assert chosen.proposer.tree_budget == 64 and chosen.proposer.block_size == 16
     chains, chain_choice = cost_curve.auto_block_size(target, split, rows=2, context=20, trees=False)
     assert chain_choice.predicted_trees == {} and chains.proposer.tree_budget == 0
+
+
+def test_steps_are_timed_at_the_runs_temperature_and_draft_sampling(tiny, monkeypatch):
+    """A sampling step (the target's draw, sampled drafts, block verification) costs more than a greedy
+    one: each temperature and draft sampling is timed once, never read from another's cache entry."""
+    target, drafter = tiny
+    sampled = load_drafter("untrained", target, block_size=4, draft_sampling=DraftSampling("sample", 0.6))
+    times = cost_curve.step_times(
+        target, sampled.params, {"plain": None, "chain": sampled.proposer}, 2, 20, 64, 1, temperature=1.0
+    )
+    assert times["plain"] > 0 and times["chain"] > 0  # sampled drafts and block verification run
+
+    timed = []
+
+    def record(target, params, proposers, rows, context, slots, reps, temperature=0.0):
+        timed.append((proposers["chain", 2].draft_sampling.mode, temperature))
+        return {key: 1.0 for key in proposers}
+
+    monkeypatch.setattr(cost_curve, "step_times", record)
+    greedy_t0, sampled_t1, greedy_t1 = (drafter, 0.0), (sampled, 1.0), (drafter, 1.0)
+    for chosen, temperature in (greedy_t0, sampled_t1, greedy_t0, sampled_t1, greedy_t1):
+        cost_curve.step_costs(target, chosen, 3, 20, 0, [2, 4], temperature=temperature)
+    assert timed == [("greedy", 0.0), ("sample", 1.0), ("greedy", 1.0)]  # then read from the cache
 
 
 def test_probe_acceptance_scales_the_held_out_acceptance(tiny):
