@@ -194,7 +194,7 @@ def _run_auto(
         trees=trees,
         slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
         static_tokens=max_new_tokens,
-        temperature=temperature,
+        sampling=SamplingParams.make(temperature),  # as `_run_dflax` decodes
     )
     run = functools.partial(
         _run_dflax, target, max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,

@@ -208,12 +208,10 @@ def _block_size_value(text: str) -> int | str:
     return value
 
 
-def _auto_chooser(
-    loaded, records, batch_size: int, max_new_tokens: int, trees: bool, static: bool, temperature: float
-):
+def _auto_chooser(loaded, records, batch_size: int, max_new_tokens: int, trees: bool, static: bool, sampling):
     """choose(drafter) -> (the drafter at the cost model's block size (or tree budget, with `trees`) for
-    this run (static batches or continuous batching, at `temperature`), or None (plain decoding); the
-    choice); it says which."""
+    this run (static batches or continuous batching, under the target's `sampling`), or None (plain
+    decoding); the choice); it says which."""
     from dflax.cost_curve import auto_block_size
     from dflax.generation import cache_slots, encode_prompt, prompt_bucket
 
@@ -231,7 +229,7 @@ def _auto_chooser(
                     trees,
                     slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
                     static_tokens=max_new_tokens if static else None,
-                    temperature=temperature,
+                    sampling=sampling,
                 )
         except ValueError as e:
             _fail(str(e))
@@ -474,8 +472,11 @@ def generate(
         from dflax.cost_curve import probe_size, scaled_to_probe
 
         trees = tree_budget is None  # --tree-budget 0 asks for chains
+        from dflax.decoding.sampling import SamplingParams
+
+        sampling = SamplingParams.make(temperature, top_k, top_p)  # as run_generate decodes
         choose = _auto_chooser(
-            loaded, todo, batch_size, max_new_tokens, trees, static=refills is None, temperature=temperature
+            loaded, todo, batch_size, max_new_tokens, trees, static=refills is None, sampling=sampling
         )
         unchosen, (spec_drafter, first_choice) = spec_drafter, choose(spec_drafter)
         if spec_drafter is not None:  # plain decoding measures no acceptance

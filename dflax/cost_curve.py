@@ -116,13 +116,15 @@ def step_times(
     context: int,
     slots: int,
     reps: int,
-    temperature: float = 0.0,
+    sampling: SamplingParams | None = None,
 ) -> dict[Any, float]:
-    """Median seconds of one whole decode step (`dflax.decoding.decode.decode_step` at `temperature`) per
-    proposer (None: plain decoding), for `rows` rows after `context` tokens in caches of `slots` slots.
+    """Median seconds of one whole decode step (`dflax.decoding.decode.decode_step` under the target's
+    `sampling`, None = greedy) per proposer (None: plain decoding), for `rows` rows after `context` tokens
+    in caches of `slots` slots.
 
     At a temperature above 0 a step draws from the target's distribution (plain decoding one draw per
-    row, block verification a residual draw), which greedy steps skip: a few ms a step on a CPU.
+    row, block verification a residual draw) and may filter it (top-k, top-p), which greedy steps skip: a
+    few ms a step on a CPU.
 
     The proposers share one drafter's parameters and state layout (chains and trees of one DFlash or DART
     drafter). The steps are timed in `reps` rounds that each run every proposer once (a few steps in one
@@ -144,7 +146,7 @@ def step_times(
         steps=jnp.zeros((rows,), jnp.int32),
         accept_hist=jnp.zeros((rows, most + 2), jnp.int32),
     )
-    sampling = SamplingParams.make(temperature)
+    sampling = SamplingParams.make() if sampling is None else sampling
 
     def loop(proposer):
         def several_steps(params, dparams, state):
@@ -224,13 +226,14 @@ def step_costs(
     candidates: Sequence[int],
     reps: int = 7,
     tree_budgets: Sequence[int] = (),
-    temperature: float = 0.0,
+    sampling: SamplingParams | None = None,
 ) -> dict[str, Any]:
     """{"plain_s": s, "chain_s": {B: s}, "tree_s": {N: s}}: seconds of one decode step of plain decoding,
     of chains of the block sizes `candidates` and of trees of `tree_budgets` nodes over the largest
     candidate block (`step_times`), at `rows` rows, about `context` tokens, `slots` cache slots and the
-    target's `temperature`; measured once per machine, target, drafter architecture, draft sampling,
-    temperature and shape, then read from dflax's cache directory."""
+    target's `sampling` (None = greedy); measured once per machine, target, drafter architecture, draft
+    sampling, target sampling and shape, then read from dflax's cache directory."""
+    sampling = SamplingParams.make() if sampling is None else sampling
     context = 1 << max(5, (context - 1).bit_length())  # a power of two: one measurement per octave
     slots = max(slots, context + max([*candidates, *(n + 1 for n in tree_budgets)]) + 1)
     key = {
@@ -240,7 +243,7 @@ def step_costs(
         "drafter": repr(drafter.config),
         # Sampled drafts (block verification) and a target that samples cost more a step than greedy ones.
         "drafts_greedily": drafter.drafts_greedily,
-        "temperature": temperature,
+        "sampling": [float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)],
         "measure": f"{_STEPS_PER_CALL} decode_steps per program",
         "rows": rows,
         "context": context,
@@ -261,7 +264,7 @@ def step_costs(
     proposers = {("plain", 0): None}
     proposers.update({("chain", b): drafter.with_block_size(b).proposer for b in candidates})
     proposers.update({("tree", n): block.with_tree_budget(n).proposer for n in tree_budgets})
-    times = step_times(target, drafter.params, proposers, rows, context, slots, reps, temperature)
+    times = step_times(target, drafter.params, proposers, rows, context, slots, reps, sampling)
     costs = {
         "plain_s": times["plain", 0],
         "chain_s": {b: times["chain", b] for b in candidates},
@@ -283,7 +286,7 @@ def auto_block_size(
     *,
     slots: int = 0,
     static_tokens: int | None = None,
-    temperature: float = 0.0,
+    sampling: SamplingParams | None = None,
 ) -> tuple[Any, BlockSizeChoice]:
     """The drafter at the block size (or tree budget) the cost model predicts fastest, or None for plain
     decoding.
@@ -301,8 +304,8 @@ def auto_block_size(
         context plus the largest candidate step.
       static_tokens: the new tokens per row when the run decodes static batches of `rows` > 1 rows (each
         batch waits for its slowest row: `dflax.decoding.block_size`); None for continuous batching.
-      temperature: the run's target temperature; steps are timed at it, with the drafter's own draft
-        sampling (sampled drafts and block verification at T > 0 cost more than greedy steps).
+      sampling: the run's target sampling (None = greedy); steps are timed under it, with the drafter's
+        own draft sampling (sampled drafts and block verification at T > 0 cost more than greedy steps).
 
     Returns:
       (the drafter at the chosen block size and tree budget, or None; the choice with its predictions).
@@ -320,7 +323,7 @@ def auto_block_size(
     candidates = [b for b in AUTO_BLOCK_SIZES if b <= min(trained, len(drafter.accept) + 1)]
     budgets = AUTO_TREE_BUDGETS if trees and drafter.drafts_greedily and drafter.rank_accept else ()
     costs = step_costs(
-        target, drafter, rows, context, slots, candidates, tree_budgets=budgets, temperature=temperature
+        target, drafter, rows, context, slots, candidates, tree_budgets=budgets, sampling=sampling
     )
     choice = choose_block_size(
         drafter.accept,

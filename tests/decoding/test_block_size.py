@@ -21,6 +21,7 @@ from dflax.decoding.block_size import (
     mean_of_largest_normal,
     static_batch_tau,
 )
+from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.tree_budget import tree_commit_moments
 from dflax.drafters import (
     DraftSampling,
@@ -147,9 +148,7 @@ def test_auto_weighs_trees_when_the_drafter_recorded_rank_acceptance(tiny, monke
     costs = cost_curve.step_costs(target, drafter, 2, 20, 0, [2, 4], tree_budgets=(4,))
     assert costs["plain_s"] > 0 and set(costs["chain_s"]) == {2, 4} and set(costs["tree_s"]) == {4}
 
-    def flat_costs(
-        target, drafter, rows, context, slots, candidates, reps=7, tree_budgets=(), temperature=0.0
-    ):
+    def flat_costs(target, drafter, rows, context, slots, candidates, reps=7, tree_budgets=(), sampling=None):
         return {
             "plain_s": 1.0,
             "chain_s": {b: 1.1 for b in candidates},
@@ -173,21 +172,31 @@ def test_steps_are_timed_at_the_runs_temperature_and_draft_sampling(tiny, monkey
     target, drafter = tiny
     sampled = load_drafter("untrained", target, block_size=4, draft_sampling=DraftSampling("sample", 0.6))
     times = cost_curve.step_times(
-        target, sampled.params, {"plain": None, "chain": sampled.proposer}, 2, 20, 64, 1, temperature=1.0
+        target,
+        sampled.params,
+        {"plain": None, "chain": sampled.proposer},
+        2,
+        20,
+        64,
+        1,
+        SamplingParams.make(1.0),
     )
     assert times["plain"] > 0 and times["chain"] > 0  # sampled drafts and block verification run
 
     timed = []
 
-    def record(target, params, proposers, rows, context, slots, reps, temperature=0.0):
-        timed.append((proposers["chain", 2].draft_sampling.mode, temperature))
+    def record(target, params, proposers, rows, context, slots, reps, sampling=None):
+        mode = proposers["chain", 2].draft_sampling.mode
+        timed.append((mode, float(sampling.temperature), round(float(sampling.top_p), 6)))
         return {key: 1.0 for key in proposers}
 
     monkeypatch.setattr(cost_curve, "step_times", record)
-    greedy_t0, sampled_t1, greedy_t1 = (drafter, 0.0), (sampled, 1.0), (drafter, 1.0)
-    for chosen, temperature in (greedy_t0, sampled_t1, greedy_t0, sampled_t1, greedy_t1):
-        cost_curve.step_costs(target, chosen, 3, 20, 0, [2, 4], temperature=temperature)
-    assert timed == [("greedy", 0.0), ("sample", 1.0), ("greedy", 1.0)]  # then read from the cache
+    t0, t1, nucleus = SamplingParams.make(0.0), SamplingParams.make(1.0), SamplingParams.make(1.0, top_p=0.9)
+    runs = [(drafter, t0), (sampled, t1), (drafter, t0), (sampled, t1), (drafter, t1), (sampled, nucleus)]
+    for chosen, sampling in runs:
+        cost_curve.step_costs(target, chosen, 3, 20, 0, [2, 4], sampling=sampling)
+    # Each setting is timed once, then read from the cache.
+    assert timed == [("greedy", 0.0, 1.0), ("sample", 1.0, 1.0), ("greedy", 1.0, 1.0), ("sample", 1.0, 0.9)]
 
 
 def test_probe_acceptance_scales_the_held_out_acceptance(tiny):
