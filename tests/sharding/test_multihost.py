@@ -47,7 +47,8 @@ def test_two_processes_write_the_one_process_results(tmp_path, tiny_checkpoint):
     done_line = next(r for r in _lines(tmp_path / "one.jsonl") if r["id"] == resumed)
     (tmp_path / "out-0.jsonl").write_text(json.dumps(done_line) + "\n")
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"  # conftest's kept
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [

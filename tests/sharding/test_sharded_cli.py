@@ -30,7 +30,8 @@ def _tokens(path: Path) -> dict:
 
 def _run_on_8_devices(*args: str, status: int = 0) -> subprocess.CompletedProcess:
     """`python -m dflax ARGS` in a process that sees 8 fake CPU devices, expected to exit with `status`."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"  # conftest's kept
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-m", "dflax", *args], capture_output=True, text=True, env=env)
     assert done.returncode == status, done.stderr[-3000:]
