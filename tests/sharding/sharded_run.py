@@ -7,8 +7,7 @@ prints one JSON object: the tokens of every run, and how the compiled decode loo
 every parameter (the shard shape of each input).
 
 Usage: python sharded_run.py '{"target": ..., "drafter": ..., "meshes": [...], "prompts": [[...]],
-  "max_new_tokens": N, "block_size": B, "tree_budget": N (optional), "temperatures": [T, ...] (optional,
-  default 0 and 1)}'
+  "max_new_tokens": N, "block_size": B, "tree_budget": N (optional)}'
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def run(target, drafter, spec) -> dict:
     if spec.get("tree_budget"):  # best-first trees over the DFlash block, verified under their ancestor mask
         methods.append(("dflash-tree", drafter.with_tree_budget(spec["tree_budget"])))
     for method, d in methods:
-        for temperature in spec.get("temperatures", TEMPERATURES):
+        for temperature in TEMPERATURES:
             results = generate_ids(
                 target,
                 spec["prompts"],
