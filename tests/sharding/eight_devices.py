@@ -17,15 +17,22 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def run_on_8_devices(worker: str, spec: dict, timeout: int) -> dict:
-    """Runs `worker` (a script beside this file) with the JSON `spec` and returns its last stdout line as
-    JSON, after checking it ran on 8 devices."""
+def fake_devices_env(count: int) -> dict:
+    """This process's environment for a subprocess that sees `count` fake CPU devices: the device count is
+    added to the XLA flags already set (conftest's), and dflax and the test helpers are importable."""
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
+        XLA_FLAGS=(env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}").strip(),
         PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE.parent), env.get("PYTHONPATH", "")]),
     )
+    return env
+
+
+def run_on_8_devices(worker: str, spec: dict, timeout: int) -> dict:
+    """Runs `worker` (a script beside this file) with the JSON `spec` and returns its last stdout line as
+    JSON, after checking it ran on 8 devices."""
+    env = fake_devices_env(8)
     done = subprocess.run(
         [sys.executable, str(HERE / worker), json.dumps(spec)],
         capture_output=True, text=True, env=env, timeout=timeout,

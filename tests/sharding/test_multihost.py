@@ -6,18 +6,17 @@ stay the same."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from eight_devices import fake_devices_env
 from typer.testing import CliRunner
 
 from dflax.cli import app
 from dflax.prompts import shard_of
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [  # 6 prompts of 2-5 words
     {"id": f"p{i}", "prompt": " ".join(f"w{5 + 3 * i + j}" for j in range(2 + i % 4))} for i in range(6)
 ]
@@ -47,9 +46,7 @@ def test_two_processes_write_the_one_process_results(tmp_path, tiny_checkpoint):
     done_line = next(r for r in _lines(tmp_path / "one.jsonl") if r["id"] == resumed)
     (tmp_path / "out-0.jsonl").write_text(json.dumps(done_line) + "\n")
 
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"  # conftest's kept
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = fake_devices_env(4)
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [
         subprocess.Popen(

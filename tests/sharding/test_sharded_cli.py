@@ -4,19 +4,18 @@ same results file as a one-device run, token for token; a bad mesh is one clear 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from eight_devices import fake_devices_env
 from typer.testing import CliRunner
 
 from dflax.cli import app
 from dflax.train.dataset import write_shard
 from dflax.train.trainer import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
     {"id": "a", "prompt": "w5 w6 w7"},
     {"id": "b", "prompt": "w9 w10 w11 w12 w13 w14 w15 w16 w17"},
@@ -30,9 +29,7 @@ def _tokens(path: Path) -> dict:
 
 def _run_on_8_devices(*args: str, status: int = 0) -> subprocess.CompletedProcess:
     """`python -m dflax ARGS` in a process that sees 8 fake CPU devices, expected to exit with `status`."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"  # conftest's kept
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = fake_devices_env(8)
     done = subprocess.run([sys.executable, "-m", "dflax", *args], capture_output=True, text=True, env=env)
     assert done.returncode == status, done.stderr[-3000:]
     return done
