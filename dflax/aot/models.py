@@ -66,11 +66,9 @@ def target_config(name_or_path: str) -> ModelConfig:
     kind, found = resolve(name_or_path)
     if kind == "hf_dir":
         return ModelConfig.from_hf(json.loads((found / "config.json").read_text()))
-    import gguf
+    from dflax.checkpoints.gguf_file import read_gguf_config
 
-    from dflax.checkpoints.gguf_file import read_config
-
-    return read_config(gguf.GGUFReader(str(found)))
+    return read_gguf_config(found)
 
 
 def drafter_config(

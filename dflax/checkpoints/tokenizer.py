@@ -27,7 +27,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
-from dflax.checkpoints import model_files
+from dflax.checkpoints import gguf_file, model_files
 
 # The special tokens of tokenizer_config.json; the chat template sees them as variables.
 _SPECIAL_TOKEN_NAMES = tuple(f"{name}_token" for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"))
@@ -274,7 +274,7 @@ def _save_atomically(
 
 def _convert_gguf(path: Path) -> tuple[tokenizers.Tokenizer, dict[str, str], str | None]:
     """(backend, special tokens, chat template) from a GGUF's tokenizer metadata."""
-    reader = gguf.GGUFReader(path)
+    reader = gguf_file.open_gguf(path)
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     arch = reader.fields["general.architecture"].contents()
     kind, pre = meta["tokenizer.ggml.model"], meta.get("tokenizer.ggml.pre")
