@@ -59,7 +59,6 @@ class DFlashConfig:
         official drafters). Targets like SmolLM2 carry a few huge activation dimensions (about half of
         each feature's squared norm in its top 3 of 576 dims; norms from 70 to 25,000 across taps and
         positions), which otherwise swamp `fc` at the start of training.
-      target_hidden_size, target_vocab_size, target_num_layers: what the drafter was built for.
     """
 
     layers: ModelConfig

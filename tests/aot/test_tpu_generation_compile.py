@@ -34,6 +34,10 @@ def test_prefill_and_decode_loop_compile_with_the_pallas_kernel(tpu_device, pres
         calls = len(re.findall(r"call @tree_attention(_\d+)?\b", text))  # one function per layer kind
         wanted = num_layers if stage == "prefill" else layers
         assert "tpu_custom_call" in text and calls >= wanted, (stage, calls)
+        # Embedding lookups gather the bf16 table itself: the CPU's uint16 view of it
+        # (pallas_kernels/bits_slicing.py) is a table-sized copy on TPU (1.24 GB for Qwen3-8B).
+        table_bits = f"tensor<{plan.target.vocab_size}x{plan.target.hidden_size}xui16>"
+        assert table_bits not in text, (stage, table_bits)
     prefill = CompiledNumbers.of(compiled["prefill"].compiled)
     loop = CompiledNumbers.of(compiled["decode_loop"].compiled)
     cfg = plan.target
@@ -42,7 +46,9 @@ def test_prefill_and_decode_loop_compile_with_the_pallas_kernel(tpu_device, pres
     assert prefill.argument_bytes >= 2 * _param_count(plan) + cache, prefill
     # ... and the decode loop updates its donated state in place (a lost donation doubles the cache).
     assert loop.alias_bytes >= cache, loop
-    assert loop.temp_bytes < cache + 2**30, loop
+    # Scratch stays far below a weight copy: 111 / 125 / 67 MB for the three (Qwen3-8B held 1.3 GB while
+    # its embedding table was gathered through a uint16 view).
+    assert loop.temp_bytes < cache + 2**28, loop
 
 
 def _param_count(plan) -> int:
