@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dflax.checkpoints.gguf_file import read_gguf
+from dflax.checkpoints.gguf_file import one_parse_per_file, read_gguf
 from dflax.checkpoints.hf_dir import read_hf_dir
 from dflax.checkpoints.params import to_params
 from dflax.checkpoints.registry import resolve
@@ -126,8 +126,9 @@ def load_target(
         mesh = make_mesh(mesh)  # a bad mesh fails before any weights are read
     kind, path = resolve(name_or_path)
     if kind == "gguf":
-        config, tensors = read_gguf(path)
-        tokenizer = Tokenizer.from_gguf(path)
+        with one_parse_per_file():  # weights and tokenizer read one parse of the file
+            config, tensors = read_gguf(path)
+            tokenizer = Tokenizer.from_gguf(path)
     else:
         config, tensors = read_hf_dir(path)
         tokenizer = Tokenizer.from_hf_dir(path)
