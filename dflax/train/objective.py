@@ -176,6 +176,24 @@ def target_features(
     return jax.lax.stop_gradient(jnp.concatenate(taps, axis=-1)[0])
 
 
+def padded_target_features(
+    target: Transformer,
+    target_params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    tap_layers: tuple[int, ...],
+) -> jax.Array:
+    """`target_features` of a batch laid back out as the batch: [N, S, K * D], zero past each length.
+
+    Args:
+      tokens: [N, S] int32 right-padded sequences.
+      lengths: [N] int32 real tokens per row (0 = an empty row).
+    """
+    num_seqs, max_len = tokens.shape
+    packed = target_features(target, target_params, tokens, lengths, tap_layers, num_seqs * max_len)
+    return Packing.of_lengths(lengths, max_len, num_seqs * max_len).unpack(packed)  # [N, S, K * D]
+
+
 def block_hidden(
     proposer: DFlashProposer, params, target_params, features: jax.Array, blocks: Blocks, chunk: int
 ) -> jax.Array:

@@ -69,6 +69,9 @@ class PipelineConfig:
       ship_to: directory the exported drafter is copied to (None = leave it in run_dir/drafter).
       extra_data: more training answers from other data recipes (`ExtraData`, or its JSON object), trained
         on after the main data's; validation stays the main data's held-out answers.
+      make_data: answer the prompts first (make-data, which skips finished shards); False trains on the
+        answers the data directories already hold, without reading the prompt sources (an accelerator
+        host that has the committed answers but not the prompt packages).
     """
 
     data_config: str
@@ -80,6 +83,7 @@ class PipelineConfig:
     train_skip: int = 0
     ship_to: str | None = None
     extra_data: tuple[ExtraData, ...] = ()
+    make_data: bool = True
 
     def __post_init__(self):
         check_train_skip(self.train_skip, self.train_limit)
@@ -161,12 +165,13 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
             )
     target = target or load_target(train_config.target)
     data_dir, run_dir = Path(pipeline.data_dir), Path(pipeline.run_dir)
-    for split, limit in (("validation", pipeline.validation_limit), ("train", pipeline.train_limit)):
-        console.rule(f"make-data {split}")
-        make_data(data_config, data_dir, split=split, limit=limit, target=target, console=console)
-    for extra, config in zip(pipeline.extra_data, extra_configs):
-        console.rule(f"make-data train ({extra.data_dir})")
-        make_data(config, extra.data_dir, limit=extra.train_limit, target=target, console=console)
+    if pipeline.make_data:
+        for split, limit in (("validation", pipeline.validation_limit), ("train", pipeline.train_limit)):
+            console.rule(f"make-data {split}")
+            make_data(data_config, data_dir, split=split, limit=limit, target=target, console=console)
+        for extra, config in zip(pipeline.extra_data, extra_configs):
+            console.rule(f"make-data train ({extra.data_dir})")
+            make_data(config, extra.data_dir, limit=extra.train_limit, target=target, console=console)
     console.rule("train")
     # The data directory may hold more than this pipeline asked for (a later session added to it): train
     # on the first `train_limit` answers (less the first `train_skip`), the ones its recipe names, and

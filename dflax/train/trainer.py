@@ -78,7 +78,7 @@ from dflax.sharding.training import TrainingSharding
 from dflax.target import Target, weights_fingerprint
 from dflax.train import dart_objective, objective
 from dflax.train.dart_ngram import response_ngram_tables
-from dflax.train.features import FeatureCache, cache_features
+from dflax.train.features import DeviceFeatures, FeatureCache, cache_features
 from dflax.train.recipe import RunSettings, read_recipe
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD, record_warm_start, write_report
 from dflax.train.target_init import init_from_target
@@ -123,6 +123,12 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 # SmolLM2 and Gemma ship, so a float32 load holds exactly their values). The cache stores bf16 either way.
 FEATURE_DTYPES = ("float32", "bfloat16")
 
+# Where a DFlash step's target features come from: "cache" (computed once into a memory-mapped file on
+# disk and read back every epoch: the CPU's choice, measured above) or "step" (the target's prefill
+# forward of each batch on the device, no disk: an accelerator's, where that forward is cheap next to the
+# drafter's step and a cache of all the data would not fit on disk; `dflax.train.features.DeviceFeatures`).
+FEATURE_SOURCES = ("cache", "step")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(RunSettings):
@@ -154,6 +160,8 @@ class TrainConfig(RunSettings):
         from a random offset (1 = every position), at most M.
       feature_cache_dir: where the target-feature cache lives; None = `out_dir/features`. Runs on the
         same sequences and target may share one (a cache of other data is rebuilt, not misread).
+      feature_source: "cache" (the on-disk feature cache) or "step" (each batch's features computed on
+        the device; see FEATURE_SOURCES).
       depth_decay: DART's loss weight decay^(t - 1) of depth t.
       ngram_min_count: DART's exported n-gram counts (orders 3 and 2 of the training responses) keep the
         n-grams seen at least this often.
@@ -183,6 +191,7 @@ class TrainConfig(RunSettings):
     anchors_per_seq: int = 32
     anchor_stride: int = 0
     feature_cache_dir: str | None = None
+    feature_source: str = "cache"
     depth_decay: float = dart_objective.DEPTH_DECAY
     ngram_min_count: int = 2
     compute_dtype: str = "float32"
@@ -240,7 +249,11 @@ class TrainConfig(RunSettings):
             raise ValueError(
                 f"training config: method {self.method!r} unknown; use one of {', '.join(METHODS)}"
             )
-        for name, choices in (("compute_dtype", COMPUTE_DTYPES), ("feature_dtype", FEATURE_DTYPES)):
+        for name, choices in (
+            ("compute_dtype", COMPUTE_DTYPES),
+            ("feature_dtype", FEATURE_DTYPES),
+            ("feature_source", FEATURE_SOURCES),
+        ):
             if getattr(self, name) not in choices:
                 raise ValueError(
                     f"training config: {name} {getattr(self, name)!r} unknown; "
@@ -348,7 +361,9 @@ class PaddedSequences:
         longest = int(self.lengths[index[index >= 0]].max(initial=1))
         return min(max_len, -(-longest // bucket) * bucket)
 
-    def take(self, index: np.ndarray, features: FeatureCache, width: int | None = None) -> dict:
+    def take(
+        self, index: np.ndarray, features: FeatureCache | DeviceFeatures, width: int | None = None
+    ) -> dict:
         """The batch of rows `index` (-1 = an empty padding row) with its cached features, `width` long
         (default S; at least the rows' longest sequence).
 
@@ -549,6 +564,8 @@ class _Programs:
       features: (target_params, tokens [rows, S], lengths [rows]) -> [L, K * D] bf16 target features of the
         rows' real tokens back to back (the prefill path at the recipe's feature_dtype; rows and L from
         the recipe).
+      batch_features: (target_params, tokens [N, S], lengths [N]) -> [N, S, K * D] bf16 features of a
+        batch laid out as the batch (feature_source "step"; the same forward as `features`).
       taps: the target layers cached as features (DART's, and DFlash's with distill_weight: the fused layers,
         then the target's last).
     """
@@ -559,6 +576,7 @@ class _Programs:
     train_step: Callable
     eval_step: Callable
     features: Callable
+    batch_features: Callable
     taps: tuple[int, ...]
 
 
@@ -571,6 +589,20 @@ def feature_program(target: Transformer, taps: tuple[int, ...], pack_tokens: int
     def features(params, tokens, lengths):
         params = jax.tree.map(lambda a: a.astype(feature_target.dtype), params)
         out = objective.target_features(feature_target, params, tokens, lengths, taps, pack_tokens)
+        return out.astype(jnp.bfloat16)
+
+    return jax.jit(features)
+
+
+def batch_feature_program(target: Transformer, taps: tuple[int, ...], dtype: str) -> Callable:
+    """The jitted (target_params, tokens [N, S], lengths [N]) -> [N, S, K * D] bf16 features of a batch,
+    zero past each length (`objective.padded_target_features`), the target run at `dtype` as in
+    `feature_program`."""
+    feature_target = target.clone(dtype=jnp.dtype(dtype))
+
+    def features(params, tokens, lengths):
+        params = jax.tree.map(lambda a: a.astype(feature_target.dtype), params)
+        out = objective.padded_target_features(feature_target, params, tokens, lengths, taps)
         return out.astype(jnp.bfloat16)
 
     return jax.jit(features)
@@ -606,7 +638,8 @@ def _programs(
     sharding = None if mesh is None else TrainingSharding.for_drafter(drafter.layers, mesh)
     train_step, eval_step = make_steps(loss_fn, tx, sharding, eval_loss_fn)
     features = feature_program(target, taps, config.feature_tokens, config.feature_dtype)
-    return _Programs(module, tx, sharding, train_step, eval_step, features, taps)
+    batch_features = batch_feature_program(target, taps, config.feature_dtype)
+    return _Programs(module, tx, sharding, train_step, eval_step, features, batch_features, taps)
 
 
 class _StopFlag:
@@ -859,21 +892,26 @@ def train(
         log_file.flush()
 
     with _StopFlag() as stop, progress, (out_dir / METRICS).open("a" if resume else "w") as log_file:
-        fill = functools.partial(
-            cache_features,
-            target=target,
-            weights=weights_fingerprint(target),
-            dtype=config.feature_dtype,
-            taps=programs.taps,
-            compute=programs.features,
-            rows=config.feature_rows,
-            pack_tokens=config.feature_tokens,
-            progress=progress,
-            should_stop=lambda: stop.signum is not None,
-        )
-        cache_dir = Path(config.feature_cache_dir) if config.feature_cache_dir else out_dir / "features"
-        features = fill(cache_dir / "train.npy", data.tokens, data.lengths)
-        val_features = fill(cache_dir / "validation.npy", val.tokens, val.lengths) if len(val) else None
+        if config.feature_source == "step":
+            on_device = functools.partial(DeviceFeatures, programs.batch_features, target.params)
+            features = on_device(data.tokens, data.lengths)
+            val_features = on_device(val.tokens, val.lengths) if len(val) else None
+        else:
+            fill = functools.partial(
+                cache_features,
+                target=target,
+                weights=weights_fingerprint(target),
+                dtype=config.feature_dtype,
+                taps=programs.taps,
+                compute=programs.features,
+                rows=config.feature_rows,
+                pack_tokens=config.feature_tokens,
+                progress=progress,
+                should_stop=lambda: stop.signum is not None,
+            )
+            cache_dir = Path(config.feature_cache_dir) if config.feature_cache_dir else out_dir / "features"
+            features = fill(cache_dir / "train.npy", data.tokens, data.lengths)
+            val_features = fill(cache_dir / "validation.npy", val.tokens, val.lengths) if len(val) else None
         task = progress.add_task(
             "training", total=total_steps, completed=step, info="compiling ..." if step < total_steps else ""
         )

@@ -34,7 +34,7 @@ from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.models.transformer import Transformer
 from dflax.target import weights_fingerprint
 from dflax.train import objective, trainer
-from dflax.train.features import FeatureCache, cache_features
+from dflax.train.features import DeviceFeatures, FeatureCache, cache_features
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD
 from dflax.train.trainer import TrainConfig, batch_index, feature_program, pad_sequences, train
 from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
@@ -527,6 +527,43 @@ def test_exported_drafter_decodes_losslessly(target, prompts, overfit):
     taus = [r.stats["tau"] for r in spec]
     print(f"decode tau with the trained drafter: mean {np.mean(taus):.2f}")
     assert np.mean(taus) > 1.5
+
+
+def test_features_computed_each_step_equal_the_cached_ones(target, sequences, overfit, tmp_path):
+    """feature_source "step": a batch's features from the device equal the cache's (padding rows and a
+    batch cut to its bucket included), and the first 25 steps train as the cached run's do."""
+    config = dataclasses.replace(TINY, feature_source="step")
+    data = pad_sequences(sequences, TINY.max_seq_len)
+    taps = config.drafter_config(target).target_layer_ids
+    width = config.feature_tokens
+    cached = cache_features(
+        tmp_path / "features.npy", data.tokens, data.lengths, target=target, weights="w", dtype="float32",
+        taps=taps, compute=feature_program(target.module, taps, width, "float32"), rows=2 * TINY.batch_size,
+        pack_tokens=width, progress=Progress(console=QUIET), should_stop=lambda: False,
+    )  # fmt: skip
+    on_device = DeviceFeatures(trainer.batch_feature_program(target.module, taps, "float32"), target.params,
+                               data.tokens, data.lengths)  # fmt: skip
+    for rows, bucket in (([3, -1, 0, 17], 0), ([5, 2], 16)):
+        rows = np.asarray(rows)
+        cut = data.width(rows, bucket)
+        expected = np.asarray(cached.batch(rows, cut), np.float32)
+        got = np.asarray(on_device.batch(rows, cut), np.float32)
+        assert got.shape == expected.shape and not got[rows < 0].any()
+        np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)  # one bf16 rounding apart at most
+        assert np.mean(got == expected) > 0.99
+
+    def stop_at_25(step):
+        if step == 25:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    part = train(config, target, sequences[:32], sequences[32:], tmp_path / "run", console=QUIET,
+                 on_step=stop_at_25)  # fmt: skip
+    assert part.step == 25 and not (tmp_path / "run/features").exists()
+    (first,) = [e for e in part.log if e.get("step") == 25 and "loss" in e]
+    (cached_first,) = [e for e in overfit.log if e.get("step") == 25 and "loss" in e]
+    np.testing.assert_allclose(first["loss"], cached_first["loss"], rtol=1e-3)
+    with pytest.raises(ValueError, match="feature_source"):
+        TrainConfig(feature_source="disk")
 
 
 def test_resume_after_sigterm_equals_the_uninterrupted_run(target, sequences, overfit, tmp_path):
