@@ -842,13 +842,19 @@ def validate_command(
 @app.command("pipeline")
 def pipeline_command(
     config: Path = typer.Argument(..., help="pipeline recipe, e.g. configs/pipeline/dflash-smollm2.json"),
+    dtype: str = typer.Option(
+        None, help="the target's dtype: float32, bfloat16 or float16 (default: float32 on CPU, else bf16)"
+    ),
+    attention_backend: str = typer.Option(
+        "auto", help="the target's attention: auto, chunked, reference (plain jnp), pallas, ..."
+    ),
 ) -> None:
     """Make data, train and ship a drafter in one command; rerun it to resume after an interruption."""
     from dflax.train.pipeline import PipelineConfig, run_pipeline
 
     recipe = _read_recipe(PipelineConfig, config, str(config))
     try:
-        result = run_pipeline(recipe, console=console)
+        result = run_pipeline(recipe, dtype=dtype, attention_backend=attention_backend, console=console)
     except (ValueError, FileNotFoundError, ImportError) as e:
         _fail(str(e))
     if result.interrupted is not None:

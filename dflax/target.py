@@ -16,6 +16,7 @@ from dflax.checkpoints.hf_dir import read_hf_dir
 from dflax.checkpoints.params import to_params
 from dflax.checkpoints.registry import resolve
 from dflax.checkpoints.tokenizer import Tokenizer
+from dflax.models.attention import ATTENTION_BACKENDS
 from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
 from dflax.sharding import ShardingRules, make_mesh
@@ -122,6 +123,10 @@ def load_target(
     for name, value in (("dtype", dtype), ("cache_dtype", cache_dtype)):
         if value not in _DTYPES:
             raise ValueError(f"{name} {value!r} unknown; choose one of {', '.join(_DTYPES)}")
+    if attention_backend not in ATTENTION_BACKENDS:  # before any weights are read
+        raise ValueError(
+            f"attention backend {attention_backend!r} unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)  # a bad mesh fails before any weights are read
     kind, path = resolve(name_or_path)

@@ -90,6 +90,11 @@ def test_checkpoint_that_disagrees_with_its_config(tmp_path, tiny_checkpoint):
         dflax.load_target(str(tmp_path))
 
 
+def test_unknown_attention_backend_before_any_weights_are_read(tmp_path):
+    with pytest.raises(ValueError, match="attention backend 'nope' unknown; choose one of reference"):
+        dflax.load_target(str(tmp_path / "missing.gguf"), attention_backend="nope")
+
+
 def test_unknown_dtype(tiny_checkpoint):
     with pytest.raises(ValueError, match="dtype 'int8' unknown"):
         dflax.load_target(str(tiny_checkpoint("llama")[0]), dtype="int8")

@@ -146,8 +146,18 @@ def training_record(
     }
 
 
-def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, console: Console | None = None):
+def run_pipeline(
+    pipeline: PipelineConfig,
+    *,
+    target: Target | None = None,
+    dtype: str | None = None,
+    attention_backend: str = "auto",
+    console: Console | None = None,
+):
     """Runs make-data (validation, train), train and the export; each step resumes.
+
+    The target is `target`, or the training recipe's loaded with `dtype` and `attention_backend` (see
+    `load_target`) once the recipes agree.
 
     Returns:
       The TrainResult of the training step (`interrupted` set when a signal stopped it).
@@ -163,7 +173,7 @@ def run_pipeline(pipeline: PipelineConfig, *, target: Target | None = None, cons
                 f"the data recipe {path} targets {config.target!r} but the training recipe "
                 f"{train_config.target!r}"
             )
-    target = target or load_target(train_config.target)
+    target = target or load_target(train_config.target, dtype=dtype, attention_backend=attention_backend)
     data_dir, run_dir = Path(pipeline.data_dir), Path(pipeline.run_dir)
     if pipeline.make_data:
         for split, limit in (("validation", pipeline.validation_limit), ("train", pipeline.train_limit)):
