@@ -693,15 +693,17 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     # answers again with T=1 answers and the parent's draft vocabulary; 10: -stage10, the same recipe on
     # follow-up answers and part of stage 6's; 11: -stage11, the same recipe on package code answers and
     # more of stage 6's; 12 and 13: -stage12 and -stage13, the same recipe on the next package answers
-    # and more of stage 6's; stages 7 and 9 were not shipped). The fields each stage records match, and
-    # any field added since holds the default that reproduces it.
+    # and more of stage 6's; 14: -stage14-gpu, five epochs over every greedy answer on a GPU with the
+    # features computed in the step; stages 7 and 9 were not shipped). The fields each stage records
+    # match, and any field added since holds the default that reproduces it.
     record = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
     stages = [record]
     while "warm_start" in stages[0]:
         stages.insert(0, stages[0]["warm_start"]["record"])
     continued = RECIPE.with_name("dflash-smollm2-continue.json")
     recipes = (RECIPE, continued, continued) + tuple(
-        RECIPE.with_name(f"dflash-smollm2-stage{stage}.json") for stage in (4, 5, 6, 8, 10, 11, 12, 13)
+        RECIPE.with_name(f"dflash-smollm2-stage{stage}.json")
+        for stage in (4, 5, 6, 8, 10, 11, 12, 13, "14-gpu")
     )
     assert len(stages) <= len(recipes)
     for recipe_path, stage in zip(recipes, stages):
