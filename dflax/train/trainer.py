@@ -364,8 +364,8 @@ class PaddedSequences:
     def take(
         self, index: np.ndarray, features: FeatureCache | DeviceFeatures, width: int | None = None
     ) -> dict:
-        """The batch of rows `index` (-1 = an empty padding row) with its cached features, `width` long
-        (default S; at least the rows' longest sequence).
+        """The batch of rows `index` (-1 = an empty padding row) with its features (read from the cache,
+        or computed on the device), `width` long (default S; at least the rows' longest sequence).
 
         Returns:
           {"tokens" [N, W], "prompt_lens" [N], "lengths" [N], "features" [N, W, K * D] bf16} arrays.
