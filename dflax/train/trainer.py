@@ -580,32 +580,32 @@ class _Programs:
     taps: tuple[int, ...]
 
 
-def feature_program(target: Transformer, taps: tuple[int, ...], pack_tokens: int, dtype: str) -> Callable:
-    """The jitted (target_params, tokens [rows, S], lengths [rows]) -> [pack_tokens, K * D] bf16 features of
-    the rows' real tokens back to back (`objective.target_features`), the target run at `dtype` (one of
-    FEATURE_DTYPES; its parameters are cast to it)."""
+def _target_forward_at(target: Transformer, dtype: str, forward: Callable) -> Callable:
+    """jit of (target_params, tokens, lengths) -> forward(target at `dtype`, its parameters cast to it,
+    tokens, lengths) as bf16 (one of FEATURE_DTYPES)."""
     feature_target = target.clone(dtype=jnp.dtype(dtype))
 
     def features(params, tokens, lengths):
         params = jax.tree.map(lambda a: a.astype(feature_target.dtype), params)
-        out = objective.target_features(feature_target, params, tokens, lengths, taps, pack_tokens)
-        return out.astype(jnp.bfloat16)
+        return forward(feature_target, params, tokens, lengths).astype(jnp.bfloat16)
 
     return jax.jit(features)
+
+
+def feature_program(target: Transformer, taps: tuple[int, ...], pack_tokens: int, dtype: str) -> Callable:
+    """The jitted (target_params, tokens [rows, S], lengths [rows]) -> [pack_tokens, K * D] bf16 features of
+    the rows' real tokens back to back (`objective.target_features`), the target run at `dtype` (one of
+    FEATURE_DTYPES; its parameters are cast to it)."""
+    forward = functools.partial(objective.target_features, tap_layers=taps, pack_tokens=pack_tokens)
+    return _target_forward_at(target, dtype, forward)
 
 
 def batch_feature_program(target: Transformer, taps: tuple[int, ...], dtype: str) -> Callable:
     """The jitted (target_params, tokens [N, S], lengths [N]) -> [N, S, K * D] bf16 features of a batch,
     zero past each length (`objective.padded_target_features`), the target run at `dtype` as in
     `feature_program`."""
-    feature_target = target.clone(dtype=jnp.dtype(dtype))
-
-    def features(params, tokens, lengths):
-        params = jax.tree.map(lambda a: a.astype(feature_target.dtype), params)
-        out = objective.padded_target_features(feature_target, params, tokens, lengths, taps)
-        return out.astype(jnp.bfloat16)
-
-    return jax.jit(features)
+    forward = functools.partial(objective.padded_target_features, tap_layers=taps)
+    return _target_forward_at(target, dtype, forward)
 
 
 @functools.lru_cache(maxsize=4)
