@@ -428,7 +428,8 @@ def dflash_loss(
       chunk_rows: LM-head rows per chunk.
       attention_chunk: blocks per attention chunk.
       final_hidden: [N, S, D] the target's last-layer output (before its final norm) at every position;
-        needed when distill_weight > 0.
+        needed when distill_weight > 0. Given, the stats also carry each position's overlap with the
+        target's distribution (acceptance at temperature 1, `sampled_acceptance`).
       distill_weight: lambda in [0, 1]: each position's loss is (1 - lambda) * ce + lambda * KL(p || q),
         p the target's next-token distribution (temperature 1) before the label and q the drafter's, both
         over the draft vocabulary. Acceptance at temperature 1 is the overlap sum min(p, q), which the
@@ -448,7 +449,9 @@ def dflash_loss(
         labels = jnp.take(jnp.asarray(index), labels)  # [R, n] draft-vocabulary indices, -1 outside
     readout = functools.partial(proposer.draft_logits, target_params)
     target_readout = target_hidden = None
-    if distill_weight:
+    if distill_weight and final_hidden is None:
+        raise ValueError("dflash_loss: distill_weight > 0 needs the target's final_hidden")
+    if final_hidden is not None:
         n = labels.shape[1]
         per_seq = blocks.anchors.shape[0] // final_hidden.shape[0]
         before = blocks.anchors[:, None] + jnp.arange(n, dtype=jnp.int32)  # [R, n]: label k's position - 1
@@ -458,7 +461,7 @@ def dflash_loss(
             target_next_token_log_probs, proposer.target, target_params, vocab_ids=vocab_ids
         )
     ce, rank, kl, overlap = token_scores(readout, hidden, labels, chunk_rows, target_readout, target_hidden)
-    position_loss = ce if kl is None else (1.0 - distill_weight) * ce + distill_weight * kl
+    position_loss = (1.0 - distill_weight) * ce + distill_weight * kl if distill_weight else ce
     w = weights[None, :] * (blocks.valid & (labels >= 0))  # [R, n]
     loss = jnp.sum(w * position_loss) / jnp.maximum(jnp.sum(w), 1e-9)
     return loss, block_stats(rank, blocks.valid, overlap)

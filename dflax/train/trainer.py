@@ -454,9 +454,13 @@ def make_optimizer(config: TrainConfig, total_steps: int) -> optax.GradientTrans
     )
 
 
-def dflash_loss_fn(proposer: DFlashProposer, config: TrainConfig, compute_dtype: str = "float32") -> Callable:
+def dflash_loss_fn(
+    proposer: DFlashProposer, config: TrainConfig, compute_dtype: str = "float32", reads_target: bool = False
+) -> Callable:
     """DFlash's loss_fn(params, target_params, batch, key) -> (loss, BlockStats) for `make_steps`, its
-    products at `compute_dtype` (see COMPUTE_DTYPES)."""
+    products at `compute_dtype` (see COMPUTE_DTYPES). The batch's features end with the target's last
+    layer (its next-token distribution) when the recipe distills or `reads_target` is set; then the stats
+    carry the acceptance at temperature 1 too."""
     weights = objective.position_weights(config.block_size, config.loss_gamma)  # [n]
     n = config.block_size - 1
     dtype = jnp.dtype(compute_dtype)
@@ -468,7 +472,7 @@ def dflash_loss_fn(proposer: DFlashProposer, config: TrainConfig, compute_dtype:
         params, target_params = jax.tree.map(lambda a: a.astype(dtype), (params, target_params))
         features = batch["features"].astype(dtype)  # [N, S, K * D], then the last layer's D to distill
         final = None
-        if config.distill_weight:
+        if config.distill_weight or reads_target:
             features, final = features[..., :-hidden_size], features[..., -hidden_size:]
         blocks = objective.make_blocks(
             key,

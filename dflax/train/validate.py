@@ -4,8 +4,11 @@ Training validates on the main data directory's held-out answers only, at the re
 and with the recipe's seed choosing the anchors, so two stages' numbers are not measured alike and a new
 data source (code answers, follow-up turns) has no held-out figure at all. This runs the same validation
 pass (`trainer.validation_pass`: loss, accuracy and conditional acceptance per block position, estimated
-tau at the trained block size) for every (drafter, data directory) pair on the first `limit` answers of
-each directory's validation split, with one seed for every drafter, so the drafters see the same anchors.
+tau at the trained block size, and the acceptance at temperature 1: each position's overlap sum min(p, q)
+of the target's next-token distribution and the drafter's, both over the draft vocabulary, p renormalised
+there, so a little above what decoding at T=1 keeps) for every (drafter, data directory) pair on the
+first `limit` answers of each directory's validation split, with one seed for every drafter, so the
+drafters see the same anchors.
 
 The recipe (block size, gamma, anchors per sequence, chunks) is read from the drafter's TRAINING.json, or
 given; target features are computed by the prefill path at `feature_dtype` into `cache_dir` (kept
@@ -158,7 +161,8 @@ def validate_drafters(
         for name in drafters:
             drafter_dir = resolve_drafter_dir(name, target.name)
             config = drafter_recipe(drafter_dir, recipe)
-            # Greedy acceptance only: the loss is the cross-entropy (no KL to the target's distribution).
+            # The loss is the cross-entropy alone (no KL); the target's distribution is read for the
+            # acceptance at temperature 1.
             config = dataclasses.replace(
                 config, feature_dtype=feature_dtype, seed=VALIDATION_SEED, distill_weight=0.0
             )
@@ -196,19 +200,20 @@ def _drafter_program(drafter_dir: Path, config: TrainConfig, target: Target):
     module = DFlashDrafter(drafter_config, jnp.float32, attention_backend="reference")
     params = warm_start_params(drafter_dir, drafter_config, init_drafter_params(module))
     proposer = DFlashProposer(module, target.module, config.block_size, draft_vocab=vocab)
-    return jax.jit(dflash_loss_fn(proposer, config)), params, drafter_config.target_layer_ids
+    taps = drafter_config.target_layer_ids + (target.config.num_layers - 1,)  # + the next-token distribution
+    return jax.jit(dflash_loss_fn(proposer, config, reads_target=True)), params, taps
 
 
 def rows_table(rows: Sequence[ValidationRow]) -> str:
-    """The rows as a Markdown table: loss, accuracy at positions 1-3, estimated tau."""
+    """The rows as a Markdown table: loss, accuracy at positions 1-3, estimated tau at T=0 and T=1."""
     lines = [
-        "| drafter | held-out answers | n | loss | acc@1 / @2 / @3 | est. tau |",
-        "|---|---|---|---|---|---|",
+        "| drafter | held-out answers | n | loss | acc@1 / @2 / @3 | est. tau | est. tau at T=1 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         acc = " / ".join(f"{a:.3f}" for a in np.asarray(row.metrics["val_acc"])[:3])
         lines.append(
             f"| {row.drafter} | {row.data} | {row.sequences} | {row.metrics['val_loss']:.3f} | {acc} | "
-            f"{row.metrics['val_tau']:.3f} (B={row.block_size}) |"
+            f"{row.metrics['val_tau']:.3f} (B={row.block_size}) | {row.metrics['val_tau_t1']:.3f} |"
         )
     return "\n".join(lines)

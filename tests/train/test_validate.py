@@ -59,6 +59,20 @@ def test_validate_gives_the_training_runs_own_final_validation(target, held_out,
     assert row.metrics["val_tau"] > 1.0
 
 
+def test_validate_gives_a_distilling_runs_acceptance_at_temperature_1(target, held_out, tmp_path):
+    """The acceptance at T=1 (overlap with the target's distribution) that validate reports for any drafter
+    is the one a training run that reads the target's distribution (distill_weight) measured."""
+    recipe = dataclasses.replace(RECIPE, steps=20, validate_every=20, distill_weight=0.5)
+    run = train(recipe, target, held_out["train"], held_out["validation"], tmp_path / "run", console=QUIET)
+    data = write_data_dir(tmp_path / "data", held_out)
+    (row,) = validate_drafters([str(run.drafter_dir)], [data], target, console=QUIET)
+    final = json.loads((run.drafter_dir / TRAINING_RECORD).read_text())["final_validation"]
+    np.testing.assert_allclose(row.metrics["val_accept_t1"], final["val_accept_t1"], atol=1e-4)
+    np.testing.assert_allclose(row.metrics["val_tau_t1"], final["val_tau_t1"], rtol=1e-5)
+    assert 1.0 < row.metrics["val_tau_t1"] <= 8.0
+    np.testing.assert_allclose(row.metrics["val_acc"], final["val_acc"], atol=1e-4)  # greedy: unchanged
+
+
 def test_drafters_share_anchors_and_features_and_a_recipe_can_be_given(target, held_out, trained, tmp_path):
     """Every drafter sees the same held-out anchors (one drafter under two names, on two copies of one
     data directory, gives one number four times); a drafter without TRAINING.json needs its recipe."""
@@ -93,6 +107,7 @@ def test_cli_validate_prints_a_table_and_writes_json(target, held_out, trained, 
     )
     assert result.exit_code == 0, result.output
     assert "| drafter | held-out answers |" in result.output and "(B=8)" in result.output
+    assert "est. tau at T=1" in result.output
     (row,) = json.loads(out.read_text())
     assert row["sequences"] == 4 and len(row["metrics"]["val_accept"]) == 7
     missing = CliRunner().invoke(
