@@ -42,6 +42,9 @@ AUTO_BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16)
 AUTO_TREE_BUDGETS = (4, 8, 16, 32, 64)
 _SLOT_MARGIN = 64
 _STEPS_PER_CALL = 4  # decode steps per timed program
+# Part of the cost cache's key: raised when what a decode step runs changes without a kernel's source
+# changing (2: a 16-bit target's steps attend through the CPU kernel over their float32 cache).
+_STEP_PROGRAM_VERSION = 2
 
 
 def _cache_at(target: Target, rows: int, slots: int, context: int) -> KVCache:
@@ -244,7 +247,7 @@ def step_costs(
         # Sampled drafts (block verification) and a target that samples cost more a step than greedy ones.
         "drafts_greedily": drafter.drafts_greedily,
         "sampling": [float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)],
-        "measure": f"{_STEPS_PER_CALL} decode_steps per program",
+        "measure": f"{_STEPS_PER_CALL} decode_steps per program, version {_STEP_PROGRAM_VERSION}",
         "rows": rows,
         "context": context,
         "slots": slots,

@@ -141,13 +141,15 @@ def attend(
     backend, interpret = _kernel_backend(cfg.backend)
 
     def run(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions):
-        if (
-            backend == "auto"
-            and resolve_backend(backend) == "chunked"
-            and cpu_tree_attention_applies(q, k_cache, k_new, cfg.sliding_window, None)
-        ):  # a decode or verify step on the CPU: one kernel call, not a loop of small products
-            scale = default_scale(q.shape[-1], cfg.scale)
-            return cpu_tree_attention(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, scale)
+        if backend == "auto" and resolve_backend(backend) == "chunked":
+            # A 16-bit model keeps a float32 cache on the CPU (`dflax.target.default_cache_dtype`): its
+            # queries and new keys and values widen exactly to the cache's dtype for the kernel.
+            wide_q, wide_k, wide_v = _widened_to(k_cache.dtype, q, k_new, v_new)
+            if cpu_tree_attention_applies(wide_q, k_cache, wide_k, cfg.sliding_window, None):
+                # a decode or verify step on the CPU: one kernel call, not a loop of small products
+                scale = default_scale(q.shape[-1], cfg.scale)
+                out = cpu_tree_attention(wide_q, k_cache, v_cache, cache_len, wide_k, wide_v, new_mask, scale)
+                return out.astype(q.dtype)
         return tree_attention(
             q,
             k_cache,
@@ -167,6 +169,13 @@ def attend(
     # Under a (data, model) mesh each device attends its own rows and heads; otherwise `run` itself.
     run = shard_attention(run, cfg.num_heads, cfg.num_kv_heads)
     return run(q, k_cache, v_cache, cache_len, k_new, v_new, new_mask, q_positions)
+
+
+def _widened_to(cache_dtype, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """The 16-bit `arrays` as a float32 cache's dtype (exact), the others as they are."""
+    if cache_dtype != jnp.float32:
+        return arrays
+    return tuple(a.astype(cache_dtype) if a.dtype in (jnp.bfloat16, jnp.float16) else a for a in arrays)
 
 
 def _pallas_platform(backend: str) -> str | None:

@@ -161,3 +161,23 @@ def test_models_decode_and_verify_attention_goes_through_it_on_the_cpu():
         .as_text()
     )
     assert "dflax_tree_attention_f32" not in hlo  # "chunked" names the jnp path
+
+
+def test_a_16_bit_models_steps_take_it_over_their_float32_cache():
+    """A bf16 target keeps a float32 cache on the CPU: its bf16 queries and new keys and values widen
+    (exactly) to take the kernel, and the result, in bf16, is the reference's over the widened operands."""
+    q, k_cache, v_cache, k_new, v_new = _operands(2, 3, 4, 2, 16, 64)
+    q, k_new, v_new = (x.astype(jnp.bfloat16) for x in (q, k_new, v_new))
+    cfg = AttentionConfig(256, 4, 2, 64, scale=0.125, rope_theta=1e4, backend="auto")
+    cache_len, positions = jnp.asarray([5, 9], jnp.int32), jnp.asarray([[5, 6, 7], [9, 10, 11]], jnp.int32)
+
+    def run(q, k_cache, v_cache, k_new, v_new):
+        return attend(cfg, q, k_cache, v_cache, cache_len, k_new, v_new, None, positions, causal=True)
+
+    assert "dflax_tree_attention_f32" in jax.jit(run).lower(q, k_cache, v_cache, k_new, v_new).as_text()
+    got = jax.jit(run)(q, k_cache, v_cache, k_new, v_new)
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k_new, v_new))
+    want = tree_attention_reference(q32, k_cache, v_cache, cache_len, k32, v32, None, sm_scale=0.125)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32),
+                               atol=1e-2)  # fmt: skip
