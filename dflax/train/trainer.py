@@ -73,6 +73,7 @@ from dflax.drafters.dflash import (
     init_drafter_params,
 )
 from dflax.drafters.draft_vocab import frequent_tokens
+from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
 from dflax.sharding.training import TrainingSharding
 from dflax.target import Target, weights_fingerprint
@@ -454,6 +455,13 @@ def make_optimizer(config: TrainConfig, total_steps: int) -> optax.GradientTrans
     )
 
 
+def dflash_taps(drafter: DFlashConfig, target: ModelConfig, reads_target: bool) -> tuple[int, ...]:
+    """The target layers a DFlash batch's features hold: the drafter's fused layers, then, when the loss
+    reads the target's next-token distribution (`dflash_loss_fn`'s `reads_target` or a distilling recipe),
+    the target's last layer."""
+    return drafter.target_layer_ids + ((target.num_layers - 1,) if reads_target else ())
+
+
 def dflash_loss_fn(
     proposer: DFlashProposer, config: TrainConfig, compute_dtype: str = "float32", reads_target: bool = False
 ) -> Callable:
@@ -637,8 +645,7 @@ def _programs(
         proposer = DFlashProposer(module, target, config.block_size, draft_vocab=vocab)
         loss_fn = dflash_loss_fn(proposer, config, config.compute_dtype)
         eval_loss_fn = dflash_loss_fn(proposer, config)
-        # + the target's last layer, whose next-token distribution the KL term distills
-        taps = drafter.target_layer_ids + ((target.config.num_layers - 1,) if config.distill_weight else ())
+        taps = dflash_taps(drafter, target.config, reads_target=bool(config.distill_weight))
     sharding = None if mesh is None else TrainingSharding.for_drafter(drafter.layers, mesh)
     train_step, eval_step = make_steps(loss_fn, tx, sharding, eval_loss_fn)
     features = feature_program(target, taps, config.feature_tokens, config.feature_dtype)

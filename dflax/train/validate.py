@@ -40,6 +40,7 @@ from dflax.train.trainer import (
     FEATURE_DTYPES,
     TrainConfig,
     dflash_loss_fn,
+    dflash_taps,
     feature_program,
     pad_sequences,
     validation_pass,
@@ -200,7 +201,7 @@ def _drafter_program(drafter_dir: Path, config: TrainConfig, target: Target):
     module = DFlashDrafter(drafter_config, jnp.float32, attention_backend="reference")
     params = warm_start_params(drafter_dir, drafter_config, init_drafter_params(module))
     proposer = DFlashProposer(module, target.module, config.block_size, draft_vocab=vocab)
-    taps = drafter_config.target_layer_ids + (target.config.num_layers - 1,)  # + the next-token distribution
+    taps = dflash_taps(drafter_config, target.config, reads_target=True)
     return jax.jit(dflash_loss_fn(proposer, config, reads_target=True)), params, taps
 
 
