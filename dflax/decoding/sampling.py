@@ -103,6 +103,17 @@ def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     return jnp.where(scaled >= threshold, scaled, NEG_INF)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the maximum), as two plain reductions: XLA's CPU
+    argmax, one variadic reduce of values and indices, is not vectorized ([16, 49152] float32 on a 2-core
+    EPYC: 1.8 ms against 0.45 ms; [8, 49152] 0.95 against 0.25). [..., V] -> [...] int32; a row with a NaN
+    gives V - 1."""
+    top = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)  # [..., V]
+    first = jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1)
+
+
 def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """The target distribution defined by the sampling settings, as log-probabilities.
 
@@ -116,7 +127,7 @@ def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.where(
-        jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.bool_), 0.0, NEG_INF
+        jax.nn.one_hot(first_argmax(logits), logits.shape[-1], dtype=jnp.bool_), 0.0, NEG_INF
     )
     scaled = logits / jnp.maximum(params.temperature, 1e-6)
     needs_filter = (params.top_k > 0) | (params.top_p < 1.0)
@@ -172,5 +183,5 @@ def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Arr
     return jax.lax.cond(
         params.temperature > 0,
         lambda: categorical(key, target_log_probs(logits, params)),
-        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+        lambda: first_argmax(logits),
     )

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflax.decoding.cache import KVCache, write_kv
-from dflax.decoding.sampling import NEG_INF, SamplingParams, categorical, target_log_probs
+from dflax.decoding.sampling import NEG_INF, SamplingParams, categorical, first_argmax, target_log_probs
 from dflax.decoding.tree import DraftTree
 from dflax.drafters.best_first import best_first_tree
 from dflax.models.config import ModelConfig
@@ -380,7 +380,7 @@ class DFlashProposer:
             log_probs = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B, n, K]
             return best_first_tree(log_probs, self.token_ids(top_index), self.tree_budget), None
         if self.draft_sampling.mode == "greedy":
-            return self.token_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+            return self.token_ids(first_argmax(logits)), None
         q_params = SamplingParams.make(self.draft_sampling.temperature)
         log_q = target_log_probs(logits, q_params)  # [B, n, V']
         drafts = self.token_ids(categorical(keys, log_q))

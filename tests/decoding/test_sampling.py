@@ -96,3 +96,14 @@ def test_row_keys_draw_each_row_from_its_own_key():
     together = sampling.sample(keys, logits, params)
     alone = [sampling.sample(keys[i : i + 1], logits[i : i + 1], params)[0] for i in range(3)]
     assert together.tolist() == [int(a) for a in alone]
+
+
+def test_first_argmax_is_jnp_argmax_ties_included():
+    rng = np.random.default_rng(0)
+    logits = rng.integers(-3, 4, size=(5, 7, 300)).astype(np.float32)  # many exact ties
+    logits[0, 0] = -np.inf  # every token masked: index 0, as jnp.argmax gives
+    logits[1, 2, 17] = logits[1, 2, 250] = 9.0  # the first of two maxima
+    got = sampling.first_argmax(jnp.asarray(logits))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    assert int(got[1, 2]) == 17
