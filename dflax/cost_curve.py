@@ -44,8 +44,9 @@ _SLOT_MARGIN = 64
 _STEPS_PER_CALL = 4  # decode steps per timed call, and twice as many in the call it is subtracted from
 # Part of the cost cache's key: raised when what a decode step runs, or how it is timed, changes without a
 # kernel's source changing (2: a 16-bit target's steps attend through the CPU kernel over their float32
-# cache; 3: a step is the difference of calls of 8 and 4 steps, without a call's loop-invariant work).
-_STEP_PROGRAM_VERSION = 3
+# cache; 3: a step is the difference of calls of 8 and 4 steps, without a call's loop-invariant work; 4:
+# greedy picks by `first_argmax`).
+_STEP_PROGRAM_VERSION = 4
 
 
 def _cache_at(target: Target, rows: int, slots: int, context: int) -> KVCache:
