@@ -52,7 +52,8 @@ def test_plan_mesh_prints_bytes_per_device(tpu_device, tiny_checkpoint, platform
     whole = whole_param_bytes(model_plan(path, "untrained")) / 2**20
     # The large matrices are split four ways over `model` (norms stay whole): about a quarter each.
     assert whole / 4 <= params_mib < whole / 3, (params_mib, whole)
-    assert cache_mib > 0 and temp_mib >= 0 and peak_mib >= params_mib + cache_mib
+    # The table rounds each figure to 0.1 MiB, so the sum of two may exceed the peak by up to 0.1.
+    assert cache_mib > 0 and temp_mib >= 0 and peak_mib >= params_mib + cache_mib - 0.1
     assert "batch 4" in " ".join(result.output.split())  # 3 rows padded to a multiple of data=2
 
 
