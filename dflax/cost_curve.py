@@ -134,9 +134,9 @@ def step_times(
     The proposers share one drafter's parameters and state layout (chains and trees of one DFlash or DART
     drafter). The steps are timed in `reps` rounds that each run every proposer once, so a load that comes
     and goes on the machine slows them alike. A proposer's time is the difference of one program's calls
-    running 8 and 4 steps, divided by 4: the work a call does once (XLA hoists loop-invariant copies out of
-    the loop) is left out, as a decode loop of a hundred steps all but leaves it out. Before each step the
-    lengths go back to `context`.
+    running 8 and 4 steps, divided by 4 (but at least half the longer call's time per step): the work a
+    call does once (XLA hoists loop-invariant copies out of the loop) is left out, as a decode loop of a
+    hundred steps all but leaves it out. Before each step the lengths go back to `context`.
     """
     drafting = [p for p in proposers.values() if p is not None]
     most = max((p.num_draft for p in drafting), default=0)
