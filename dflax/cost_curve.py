@@ -45,7 +45,7 @@ _STEPS_PER_CALL = 4  # decode steps per timed call, and twice as many in the cal
 # Part of the cost cache's key: raised when what a decode step runs, or how it is timed, changes without a
 # kernel's source changing (2: a 16-bit target's steps attend through the CPU kernel over their float32
 # cache; 3: a step is the difference of calls of 8 and 4 steps, without a call's loop-invariant work; 4:
-# greedy picks by `first_argmax`).
+# greedy picks and DFlash's and DART's greedy drafts by `first_argmax`).
 _STEP_PROGRAM_VERSION = 4
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflax.decoding.sampling import NEG_INF
+from dflax.decoding.sampling import NEG_INF, first_argmax
 from dflax.diffusion.protocol import DiffusionLM
 
 
@@ -66,7 +66,7 @@ def window_log_probs(
         confidence = jnp.where(fixed, -jnp.inf, jnp.max(log_q, axis=-1))  # [B, K]
         _, chosen = jax.lax.top_k(confidence, count)  # [B, count]
         newly = jnp.any(jax.nn.one_hot(chosen, window, dtype=jnp.bool_), axis=1)  # [B, K]
-        tokens = jnp.where(newly, jnp.argmax(log_q, axis=-1).astype(jnp.int32), tokens)
+        tokens = jnp.where(newly, first_argmax(log_q), tokens)
         fixed |= newly
     log_q = forward(tokens)
     one_hot = jnp.where(jnp.arange(log_q.shape[-1]) == tokens[..., None], 0.0, NEG_INF)  # [B, K, V]

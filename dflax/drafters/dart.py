@@ -29,7 +29,7 @@ import numpy as np
 from flax import struct
 
 from dflax.decoding.cache import KVCache, write_kv
-from dflax.decoding.sampling import NEG_INF
+from dflax.decoding.sampling import NEG_INF, first_argmax
 from dflax.decoding.tree import DraftTree
 from dflax.drafters.dart_tree import BeamSettings, NgramPrior, dart_tree
 from dflax.models.config import ModelConfig
@@ -413,7 +413,7 @@ class DartProposer:
         without sampling, so the (tree) delta rule verifies them at every temperature)."""
         logits = self.draft_logits(params, state.drafter_state, state.last_token)  # [B, d, V']
         if not self.tree_budget:
-            return self.token_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+            return self.token_ids(first_argmax(logits)), None
         k = min(self.beam.top_k, logits.shape[-1])
         top_logits, top_index = jax.lax.top_k(logits, k)  # [B, d, k]
         probs = jax.nn.softmax(top_logits, axis=-1)  # softmax over the top k, as published

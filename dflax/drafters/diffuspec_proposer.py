@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflax.decoding.cache import write_rows
+from dflax.decoding.sampling import first_argmax
 from dflax.diffusion.adl import ADL_MAX, ADL_MIN, AdlSettings, AdlState, next_draft_length, update
 from dflax.diffusion.cps import CPS_BEAM_WIDTH, CPS_NGRAM_WEIGHT, cps_path
 from dflax.diffusion.lattice import LATTICE_MASS, LATTICE_MAX_SET, token_lattice
@@ -176,7 +177,7 @@ class DiffuSpecProposer:
             text = write_rows(ds.history, state.last_token[:, None], length)  # [B, S], valid to length + 1
             drafts, _ = cps_path(lattice, text, length + 1, params.ngram, self.beam_width, self.ngram_weight)
         else:
-            drafts = jnp.argmax(log_q, axis=-1).astype(jnp.int32)
+            drafts = first_argmax(log_q)
         return mark_unusable(drafts, self.draft_lengths(ds), state.eos_ids), None
 
 
