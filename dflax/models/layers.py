@@ -100,6 +100,24 @@ class Linear(nn.Module):
         return y
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """[..., D] -> [..., 1]: each row summed in one fixed order, whatever the leading shape.
+
+    XLA's CPU reduce orders its additions by the whole array's shape: one row of 576 was summed in vector
+    lanes, eight rows one after another, so an RMSNorm of a 1-token decode step and of the same token in
+    an 8-token verify block differed in the last bit (2e-7), and a bf16 target's rounding turned that into
+    top-2 logit flips (20 of 40 HumanEval answers parted from plain decoding at B=8). Here the row is
+    halved by elementwise adds (zero-padded to a power of two first, which leaves every sum exact), a
+    pairwise order that no leading shape changes.
+    """
+    width = 1 << (x.shape[-1] - 1).bit_length()  # the next power of two
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32.
 
@@ -117,7 +135,8 @@ class RMSNorm(nn.Module):
         init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
         weight = self.param("weight", init, (x.shape[-1],), self.dtype).astype(jnp.float32)
         xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        mean_square = row_sum(xf * xf) / x.shape[-1]  # [..., 1]
+        y = xf * jax.lax.rsqrt(mean_square + self.eps)
         scale = 1.0 + weight if self.unit_offset else weight
         return (y * scale).astype(x.dtype)
 
@@ -153,6 +172,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
       [B, T, N, H] in x's dtype.
     """
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, H/2]
+    # Fused into the cos and sin, XLA's CPU code rounded the product differently for 1 and for 8 new
+    # tokens (a decode step's keys and the same token's in a verify block parted in the last bit); apart,
+    # each token's angles and rotation are computed alike whatever T.
+    angles = jax.lax.optimization_barrier(angles)
     cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
     sin = jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
