@@ -67,7 +67,10 @@ struct Shapes {
 //
 // A row's result is the same whichever rows share its call: its score of a key is one fixed chain of
 // FMAs over head_dim and one fixed tree of adds across the lanes, its probabilities add up in 8 lanes by
-// key index, and its value mix adds the keys in order (a key it does not see adds an exact zero).
+// their place among the keys it sees, and its value mix adds the keys in order (a key it does not see adds
+// an exact zero). Places among the keys seen, not key indices: a draft tree's node sees the cache and its
+// ancestors with unseen siblings between them, and decoding it after those ancestors were committed sees
+// the same keys without the gaps, so only places make the two sums add alike.
 template <int V, int R>
 void AttendRows(const float* const* q, float scale, const float* k_prefix, const float* v_prefix,
                 int64_t num_prefix, const float* k_new, const float* v_new, int64_t new_stride,
@@ -83,7 +86,8 @@ void AttendRows(const float* const* q, float scale, const float* k_prefix, const
   };
   auto value = [&](int64_t j) { return j < num_prefix ? v_prefix + j * head_dim : v_new + (j - num_prefix) * new_stride; };
   float max_score[R];
-  for (int r = 0; r < R; ++r) max_score[r] = -INFINITY;
+  int64_t seen[R];  // keys row r sees so far: its scores are stored at their places among those
+  for (int r = 0; r < R; ++r) max_score[r] = -INFINITY, seen[r] = 0;
   constexpr int kQuads = (R + 3) / 4;  // the rows' scores are reduced four at a time
   for (int64_t j = 0; j < total; ++j) {
     const float* k = key(j);
@@ -104,13 +108,14 @@ void AttendRows(const float* const* q, float scale, const float* k_prefix, const
       _mm_store_ps(four, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
       for (int i = 0; i < 4 && 4 * quad + i < R; ++i) {
         const int r = 4 * quad + i;
-        const float score = u >= 0 && !sees[r][u] ? -INFINITY : four[i];
-        scores[r * total + j] = score;
-        max_score[r] = std::max(max_score[r], score);
+        if (u >= 0 && !sees[r][u]) continue;
+        scores[r * total + seen[r]++] = four[i];
+        max_score[r] = std::max(max_score[r], four[i]);
       }
     }
   }
-  // Probabilities in place (unseen keys: exp(-inf - max) = 0), summed in 8 lanes and then across them.
+  // Probabilities of the seen keys in place, summed in 8 lanes and then across them; then spread back to
+  // one place per key for the value mix, unseen keys 0 (from the back: a seen key's place only moves up).
   float inverse[R];
   for (int r = 0; r < R; ++r) {
     float* row = scores + r * total;
@@ -121,22 +126,25 @@ void AttendRows(const float* const* q, float scale, const float* k_prefix, const
     }
     const __m256 max_v = _mm256_set1_ps(max_score[r]);
     __m256 denom_v = _mm256_setzero_ps();
+    const int64_t count = seen[r];
     int64_t j = 0;
-    for (; j + 8 <= total; j += 8) {
+    for (; j + 8 <= count; j += 8) {
       const __m256 p = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(row + j), max_v));
       _mm256_storeu_ps(row + j, p);
       denom_v = _mm256_add_ps(denom_v, p);
     }
-    if (j < total) {
+    if (j < count) {
       alignas(32) float tail[8];
       std::fill(tail, tail + 8, -INFINITY);
-      std::copy(row + j, row + total, tail);
+      std::copy(row + j, row + count, tail);
       const __m256 p = ExpNonPositive(_mm256_sub_ps(_mm256_load_ps(tail), max_v));
       _mm256_store_ps(tail, p);
-      std::copy(tail, tail + (total - j), row + j);
+      std::copy(tail, tail + (count - j), row + j);
       denom_v = _mm256_add_ps(denom_v, p);
     }
     inverse[r] = 1.0f / dflax::HorizontalSum(denom_v);
+    for (int64_t place = count, key = total - 1; place <= key; --key)
+      row[key] = sees[r][key - num_prefix] ? row[--place] : 0.0f;
   }
   // The value mix, kSpan vectors of head_dim at a time: R x kSpan accumulators stay in registers while
   // every key's kSpan value vectors are read once for the R rows.

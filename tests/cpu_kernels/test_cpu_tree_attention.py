@@ -101,6 +101,36 @@ def test_a_chain_position_attends_bitwise_as_decoding_it_alone_would():
         np.testing.assert_array_equal(np.asarray(decoded)[0, 0], verified[0, i])
 
 
+def test_a_tree_node_attends_bitwise_as_decoding_it_after_its_ancestors_would():
+    # A tree of 7 tokens after 29 cached ones (29 + 1: a node's place among the keys it sees differs from
+    # its index, in another of the sums' 8 lanes): token 0 the root, 1-3 its children, 4 a child of 2, 5 of
+    # 4, 6 of 1. Decoding node 5 alone, its ancestors 0, 2, 4 are in the cache, without the siblings between.
+    parents = [-1, 0, 0, 0, 2, 4, 1]
+    q, k_cache, v_cache, k_new, v_new = _operands(1, 7, 9, 3, 64, 64, seed=3)
+    ancestry = np.eye(7, dtype=bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            ancestry[node] |= ancestry[parent]
+    verified = np.asarray(
+        _kernel(q, k_cache, v_cache, jnp.asarray([29]), k_new, v_new, jnp.asarray(ancestry[None]), 0.125)
+    )
+    for node in range(7):
+        path = [u for u in range(node) if ancestry[node, u]]  # its ancestors, root first
+        k_i = k_cache.at[:, :, 29 : 29 + len(path)].set(jnp.moveaxis(k_new[:, path], 1, 2))
+        v_i = v_cache.at[:, :, 29 : 29 + len(path)].set(jnp.moveaxis(v_new[:, path], 1, 2))
+        decoded = _kernel(
+            q[:, node : node + 1],
+            k_i,
+            v_i,
+            jnp.asarray([29 + len(path)]),
+            k_new[:, node : node + 1],
+            v_new[:, node : node + 1],
+            None,
+            0.125,
+        )
+        np.testing.assert_array_equal(np.asarray(decoded)[0, 0], verified[0, node])
+
+
 def test_its_gradient_is_the_references():
     q, k_cache, v_cache, k_new, v_new = _operands(2, 5, 4, 2, 24, 32, seed=3)
     k_cache, v_cache = jnp.nan_to_num(k_cache), jnp.nan_to_num(v_cache)
