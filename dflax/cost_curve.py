@@ -19,7 +19,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflax.checkpoints.model_files import cache_dir
-from dflax.decoding.block_size import BlockSizeChoice, choose_block_size
+from dflax.decoding.block_size import BlockSizeChoice, choose_block_size, expected_tau
 from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import DecodeState, Proposer, decode_step
 from dflax.decoding.sampling import SamplingParams
@@ -39,14 +39,18 @@ from dflax.target import Target
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32)
 PROBE_PROMPTS = 4  # prompts (whole batches, at least) decoded before auto chooses again
 AUTO_BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16)
-AUTO_TREE_BUDGETS = (4, 8, 16, 32, 64)
+AUTO_TREE_BUDGETS = (4, 6, 8, 12, 16, 32, 64)  # on a 2-core CPU the best trees have 6-8 nodes
 _SLOT_MARGIN = 64
-_STEPS_PER_CALL = 4  # decode steps per timed call, and twice as many in the call it is subtracted from
+# Decode steps per timed call, and twice as many in the call it is subtracted from. 8, not 4: the difference
+# of two calls' medians carries both calls' noise, and over 4 steps it moved a bf16 SmolLM2 step's price by
+# 10-20% between runs on a shared 2-core host, more than separated the best chain from the best tree.
+_STEPS_PER_CALL = 8
 # Part of the cost cache's key: raised when what a decode step runs, or how it is timed, changes without a
 # kernel's source changing (2: a 16-bit target's steps attend through the CPU kernel over their float32
 # cache; 3: a step is the difference of calls of 8 and 4 steps, without a call's loop-invariant work; 4:
-# greedy picks and DFlash's and DART's greedy drafts by `first_argmax`).
-_STEP_PROGRAM_VERSION = 4
+# greedy picks and DFlash's and DART's greedy drafts by `first_argmax`; 5: RMSNorm's pairwise row sum and
+# RoPE's separate angles, which make a verify block's rows compute as decode steps do).
+_STEP_PROGRAM_VERSION = 5
 
 
 def _cache_at(target: Target, rows: int, slots: int, context: int) -> KVCache:
@@ -134,7 +138,7 @@ def step_times(
     The proposers share one drafter's parameters and state layout (chains and trees of one DFlash or DART
     drafter). The steps are timed in `reps` rounds that each run every proposer once, so a load that comes
     and goes on the machine slows them alike. A proposer's time is the difference of one program's calls
-    running 8 and 4 steps, divided by 4 (but at least half the longer call's time per step): the work a
+    running 16 and 8 steps, divided by 8 (but at least half the longer call's time per step): the work a
     call does once (XLA hoists loop-invariant copies out of the loop) is left out, as a decode loop of a
     hundred steps all but leaves it out. Before each step the lengths go back to `context`.
     """
@@ -179,7 +183,7 @@ def step_times(
         return elapsed
 
     def run(key) -> tuple[float, float]:
-        """Seconds of one call of 4 steps and of one call of 8."""
+        """Seconds of one call of _STEPS_PER_CALL steps and of one call of twice as many."""
         return call(key, _STEPS_PER_CALL), call(key, 2 * _STEPS_PER_CALL)
 
     def per_step(rounds: list[tuple[float, float]]) -> float:
@@ -341,7 +345,8 @@ def auto_block_size(
     drafter = drafter.with_tree_budget(0)  # chains first: every block size below is then valid
     trained = drafter.trained_block_size
     candidates = [b for b in AUTO_BLOCK_SIZES if b <= min(trained, len(drafter.accept) + 1)]
-    budgets = AUTO_TREE_BUDGETS if trees and drafter.drafts_greedily and drafter.rank_accept else ()
+    tree_stats = drafter.rank_accept or drafter.tree_commits
+    budgets = AUTO_TREE_BUDGETS if trees and drafter.drafts_greedily and tree_stats else ()
     costs = step_costs(
         target, drafter, rows, context, slots, candidates, tree_budgets=budgets, sampling=sampling
     )
@@ -353,6 +358,7 @@ def auto_block_size(
         tree_s=costs["tree_s"],
         rows=rows,
         new_tokens=static_tokens,
+        tree_commits=drafter.tree_commits,
     )
     if choice.block_size is None:
         return None, choice
@@ -373,36 +379,35 @@ def scaled_to_probe(
     """The drafter with its held-out acceptance scaled to what the run's own first prompts accepted.
 
     Args:
-      drafter: the drafter auto chose from (its `accept` and `rank_accept` from TRAINING.json).
+      drafter: the drafter auto chose from (its `accept`, `rank_accept` and `tree_commits` from
+        TRAINING.json).
       accept_hist: steps by tokens committed (index = count, `GenerationResult.stats`), summed over the
         probe's rows.
       block_size: B of the probe's chain, or of the blocks its tree was drawn over.
       tree_budget: N of the probe's tree, 0 for a chain.
 
     Returns:
-      (the drafter with acc_k and the rank acceptance times s, clipped to probabilities, or unchanged when
-      the probe verified nothing; s, or None). For a chain, s = drafts the probe accepted over those the
-      held-out acceptance predicts for the same steps, sum_k N(c > k) / sum_k N(c >= k) acc_k; for a tree,
-      the s whose scaled rank acceptance predicts the probe's tau for that tree (`tree_commit_moments`).
+      (the drafter with acc_k and the rank acceptance times s, clipped to probabilities, and the simulated
+      trees' accepted drafts times the ratio that makes the chain of B predict its drafts times s; or
+      unchanged when the probe verified nothing; s, or None). For a chain, s = drafts the probe accepted
+      over those the held-out acceptance predicts for the same steps, sum_k N(c > k) / sum_k N(c >= k)
+      acc_k. For a tree, the s that scales the held-out prediction of that tree to the probe's tau: its
+      simulated drafts (`tree_commits`) scaled alike, or else the rank acceptance's estimate
+      (`tree_commit_moments`) of the scaled rank acceptance.
     """
     hist = np.asarray(accept_hist, np.float64)
     drafts = block_size - 1
+    if not hist.sum():
+        return drafter, None
     if tree_budget:
-        if not drafter.rank_accept or not hist.sum():
-            return drafter, None
-        ranks = np.asarray(drafter.rank_accept)[:drafts]
         tau = float(np.sum(np.arange(len(hist)) * hist) / hist.sum())
-
-        def predicted(scale: float) -> float:
-            return float(tree_commit_moments(ranks * scale, tree_budget)[tree_budget, 0])
-
-        low, high = 0.0, 1.0 / max(float(ranks.sum(axis=1).max()), 1e-9)  # rows stay probabilities
-        scale = high  # the largest, when even it predicts no more than the probe's tau
-        if predicted(high) > tau:
-            for _ in range(50):  # bisection: the predicted tau grows with the scale, from 1 at 0
-                middle = (low + high) / 2
-                low, high = (middle, high) if predicted(middle) < tau else (low, middle)
-            scale = (low + high) / 2
+        if drafter.tree_commits and tree_budget < len(drafter.tree_commits):
+            held_out = drafter.tree_commits[tree_budget][0]
+            scale = _scale_for_drafts(drafter.accept, block_size, (tau - 1) / max(held_out - 1, 1e-9))
+        elif drafter.rank_accept:
+            scale = _scale_for_tree(np.asarray(drafter.rank_accept)[:drafts], tree_budget, tau)
+        else:
+            return drafter, None
     else:
         at_least = np.cumsum(hist[::-1])[::-1]  # N(c >= k)
         reached = at_least[1 : drafts + 1]  # N(c >= k), k = 1 .. B - 1
@@ -416,4 +421,43 @@ def scaled_to_probe(
         ranks = np.asarray(rank_accept) * scale
         ranks /= np.maximum(ranks.sum(axis=1, keepdims=True), 1.0)  # each position's ranks sum to <= 1
         rank_accept = tuple(tuple(float(a) for a in row) for row in ranks)
-    return dataclasses.replace(drafter, accept=accept, rank_accept=rank_accept), scale
+    tree_commits = drafter.tree_commits
+    if tree_commits:
+        before = expected_tau(drafter.accept, block_size) - 1
+        ratio = (expected_tau(accept, block_size) - 1) / max(before, 1e-9)
+        tree_commits = tuple((1 + ratio * (c - 1), 1 + ratio * (c2 - 1)) for c, c2 in tree_commits)
+    scaled = dataclasses.replace(drafter, accept=accept, rank_accept=rank_accept, tree_commits=tree_commits)
+    return scaled, scale
+
+
+def _bisect_scale(predicted: Callable[[float], float], wanted: float, high: float) -> float:
+    """The s in [0, high] where the increasing `predicted(s)` reaches `wanted` (high when it never does)."""
+    if predicted(high) <= wanted:
+        return high
+    low = 0.0
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if predicted(middle) < wanted else (low, middle)
+    return (low + high) / 2
+
+
+def _scale_for_drafts(accept: Sequence[float], block_size: int, ratio: float) -> float:
+    """The s that multiplies the drafts a chain of `block_size` is predicted to accept (tau - 1) by
+    `ratio`, acc_k times s clipped to probabilities."""
+    base = expected_tau(accept, block_size) - 1
+    a = np.asarray(accept, np.float64)
+
+    def drafts(scale: float) -> float:
+        return expected_tau(tuple(np.clip(a * scale, 0.0, 1.0)), block_size) - 1
+
+    return _bisect_scale(drafts, ratio * base, 1.0 / max(float(a.min()), 1e-9))
+
+
+def _scale_for_tree(ranks: np.ndarray, tree_budget: int, tau: float) -> float:
+    """The s whose scaled rank acceptance [n, K] predicts `tau` for the best-first tree of `tree_budget`
+    nodes (rows stay probabilities)."""
+
+    def predicted(scale: float) -> float:
+        return float(tree_commit_moments(ranks * scale, tree_budget)[tree_budget, 0])
+
+    return _bisect_scale(predicted, tau, 1.0 / max(float(ranks.sum(axis=1).max()), 1e-9))

@@ -147,6 +147,7 @@ def choose_block_size(
     tree_s: Mapping[int, float] | None = None,
     rows: int = 1,
     new_tokens: int | None = None,
+    tree_commits: Sequence[Sequence[float]] | None = None,
 ) -> BlockSizeChoice:
     """The chain or tree with the best predicted speedup, or plain decoding when none reaches `min_speedup`.
 
@@ -155,11 +156,16 @@ def choose_block_size(
       plain_s: seconds of one plain decode step.
       chain_s: seconds of one decode step per candidate block size B (the candidate chains).
       min_speedup: the predicted speedup a block size needs to be chosen over plain decoding.
-      rank_accept: [n, K] the drafter's rank acceptance (dflax.decoding.tree_budget), or None: no trees.
+      rank_accept: [n, K] the drafter's rank acceptance (dflax.decoding.tree_budget), or None: no trees
+        unless `tree_commits` is given.
       tree_s: seconds of one decode step per candidate node budget N, the trees drawn over blocks of the
         largest candidate chain.
       rows, new_tokens: a static batch of `rows` rows decoding `new_tokens` each waits for its slowest
         row (module docstring); None (continuous batching, or one row) leaves that out.
+      tree_commits: [N + 1, 2] E[c] and E[c^2] of a best-first tree of N nodes over the trained block,
+        simulated on held-out blocks (`dflax.train.tree_acceptance`); preferred to the rank acceptance's
+        independent-position estimate, which misses how a tree adapts to each block. Budgets past its
+        last N are left out.
     """
     chain_s = _nondecreasing(chain_s, plain_s)
 
@@ -177,12 +183,15 @@ def choose_block_size(
     if not predicted:
         raise ValueError(f"no candidate block size fits the {len(accept)} measured acceptance positions")
     trees = {}
-    if rank_accept is not None and tree_s:
+    if (rank_accept is not None or tree_commits is not None) and tree_s:
         tree_s = _nondecreasing(tree_s, plain_s)
-        block = max(predicted)
-        moments = tree_commit_moments(np.asarray(rank_accept)[: block - 1], max(tree_s))
+        if tree_commits is not None:
+            moments = np.asarray(tree_commits, np.float64)
+        else:
+            moments = tree_commit_moments(np.asarray(rank_accept)[: max(predicted) - 1], max(tree_s))
         for n in sorted(tree_s):
-            trees[n] = (float(moments[n, 0]), speedup(*moments[n], tree_s[n]))
+            if n < len(moments):
+                trees[n] = (float(moments[n, 0]), speedup(*moments[n], tree_s[n]))
     best = max(predicted, key=lambda b: predicted[b][1])
     best_tree = max(trees, key=lambda n: trees[n][1], default=None)
     if best_tree is not None and trees[best_tree][1] > predicted[best][1]:

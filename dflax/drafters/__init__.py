@@ -21,7 +21,11 @@ from dflax.drafters.dflash import (
 from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, diffuspec
 from dflax.drafters.lookup import LookupDrafter, prompt_lookup
 from dflax.drafters.shipped import SHIPPED_DRAFTERS, shipped_drafter_path
-from dflax.drafters.training_record import measured_acceptance, measured_rank_acceptance
+from dflax.drafters.training_record import (
+    measured_acceptance,
+    measured_rank_acceptance,
+    measured_tree_commits,
+)
 from dflax.sharding import ShardingRules
 from dflax.sharding.placement import shard_params
 from dflax.target import Target
@@ -42,7 +46,9 @@ class Drafter:
       accept: measured per-position conditional acceptance acc_1, acc_2, ... (validation at the end of
         its training, from TRAINING.json), or None when unknown; `--block-size auto` predicts from it.
       rank_accept: measured rank acceptance [n][K] (dflax.decoding.tree_budget), or None when unknown;
-        `--block-size auto` weighs draft trees with it.
+        `--block-size auto` weighs draft trees with it when `tree_commits` is unknown.
+      tree_commits: E[c] and E[c^2] of the tokens a best-first tree of N nodes over the trained block
+        commits, N = 0, 1, ... (simulated on held-out blocks at its final validation), or None.
     """
 
     name: str
@@ -51,6 +57,7 @@ class Drafter:
     proposer: DFlashProposer
     accept: tuple[float, ...] | None = None
     rank_accept: tuple[tuple[float, ...], ...] | None = None
+    tree_commits: tuple[tuple[float, float], ...] | None = None
 
     @property
     def trained_block_size(self) -> int:
@@ -116,7 +123,7 @@ def load_drafter(
                 f"{', '.join(SHIPPED_DRAFTERS)}); give a drafter directory, e.g. one made by `dflax train`"
             )
         name_or_path = shipped
-    accept = rank_accept = None
+    accept = rank_accept = tree_commits = None
     if str(name_or_path) == UNTRAINED:
         config = DFlashConfig.for_target(target.config)
         params, draft_vocab = None, None
@@ -132,6 +139,7 @@ def load_drafter(
             return dart if block_size is None else dart.with_block_size(block_size)
         config, params, draft_vocab = load_drafter_checkpoint(path, dtype)
         accept, rank_accept = measured_acceptance(path), measured_rank_acceptance(path)
+        tree_commits = measured_tree_commits(path)
     config.check_target(target.config)
     module = DFlashDrafter(config, dtype, target.module.attention_backend)
     if params is None:
@@ -141,7 +149,7 @@ def load_drafter(
     proposer = DFlashProposer(
         module, target.module, block_size or config.block_size, draft_sampling, draft_vocab
     )
-    drafter = Drafter(str(name_or_path), config, params, proposer, accept, rank_accept)
+    drafter = Drafter(str(name_or_path), config, params, proposer, accept, rank_accept, tree_commits)
     return drafter.with_block_size(proposer.block_size)
 
 
@@ -159,6 +167,7 @@ __all__ = [
     "load_drafter",
     "measured_acceptance",
     "measured_rank_acceptance",
+    "measured_tree_commits",
     "prompt_lookup",
     "shipped_drafter_path",
 ]

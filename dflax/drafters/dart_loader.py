@@ -32,6 +32,7 @@ class DartDrafterBound:
       accept: measured per-depth acceptance (from TRAINING.json), or None.
       rank_accept: measured rank acceptance [d][K] (from TRAINING.json), or None; the cost model reads a
         best-first tree over it as the estimate of DART's beam tree of the same budget.
+      tree_commits: None (DART's validation simulates no trees; the cost model reads `rank_accept`).
     """
 
     name: str
@@ -41,6 +42,7 @@ class DartDrafterBound:
     ngram: tuple[NgramTable, ...] = ()
     accept: tuple[float, ...] | None = None
     rank_accept: tuple[tuple[float, ...], ...] | None = None
+    tree_commits: tuple[tuple[float, float], ...] | None = None
 
     @property
     def trained_block_size(self) -> int:

@@ -2,8 +2,9 @@
 the recipe it was trained with (read by `dflax validate`).
 
 `dflax train` and `dflax pipeline` write TRAINING.json beside the exported weights; its
-`final_validation` holds the per-position acceptance (`val_accept`) and the rank acceptance
-(`val_rank_accept`) that `--block-size auto` predicts chains and trees from.
+`final_validation` holds the per-position acceptance (`val_accept`) that `--block-size auto` predicts
+chains from, and the simulated best-first trees' commits (`val_tree_tau`, `val_tree_square`) or, in older
+records, the rank acceptance (`val_rank_accept`) that it predicts trees from.
 """
 
 from __future__ import annotations
@@ -43,3 +44,12 @@ def measured_rank_acceptance(path: Path) -> tuple[tuple[float, ...], ...] | None
     validation, or None when it records none."""
     ranks = _final_validation(path).get("val_rank_accept")
     return tuple(tuple(float(a) for a in row) for row in ranks) if ranks else None
+
+
+def measured_tree_commits(path: Path) -> tuple[tuple[float, float], ...] | None:
+    """E[c] and E[c^2] of the tokens a best-first tree of N nodes commits per step, N = 0, 1, ..., as a
+    drafter directory's TRAINING.json recorded them at its final validation (held-out blocks' simulated
+    trees, `dflax.train.tree_acceptance`), or None when it records none."""
+    final = _final_validation(path)
+    tau, square = final.get("val_tree_tau"), final.get("val_tree_square")
+    return tuple((float(t), float(s)) for t, s in zip(tau, square)) if tau and square else None

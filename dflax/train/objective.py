@@ -30,6 +30,7 @@ from dflax.drafters.dflash import DFlashDrafter, DFlashProposer
 from dflax.drafters.draft_vocab import vocab_index
 from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
+from dflax.train.tree_acceptance import TREE_NODES, tree_accepted_drafts
 
 # The paper's decay of the position weights per block size.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -246,10 +247,11 @@ def token_scores(
     chunk_rows: int,
     target_readout: Callable[[jax.Array], jax.Array] | None = None,
     target_hidden: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    candidates: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
     """Cross-entropy and rank of the drafted positions' labels (and, given the target's hidden states, the
-    KL from the target's next-token distribution and the overlap with it), `chunk_rows` rows of logits at
-    a time.
+    KL from the target's next-token distribution and the overlap with it; with `candidates`, the drafter's
+    best log-probabilities), `chunk_rows` rows of logits at a time.
 
     Each chunk's [chunk_rows, n, V'] logits are recomputed in the backward pass instead of stored, so the
     LM head's memory is one chunk's, not R rows'.
@@ -262,13 +264,15 @@ def token_scores(
       target_readout: [C, n, D] -> [C, n, V'] the target's log-probabilities over the same V' tokens
         (`target_next_token_log_probs`), or None: no KL.
       target_hidden: [R, n, D] the target's last-layer output at the position before each label.
+      candidates: also return the RANKS best log-probabilities of each position (a tree's candidates).
 
     Returns:
       (ce [R, n] float32, meaningless where labels is -1; rank [R, n] int32: the label's place among the
       drafter's candidates, 0 = its argmax (see `label_rank`); kl [R, n] float32 KL(p || q) of the
       target's p and the drafter's q over the V' tokens; overlap [R, n] sum min(p, q), the chance that
       token-by-token speculative sampling keeps a draft sampled from q at temperature 1; kl and overlap
-      None without `target_readout`).
+      None without `target_readout`; top [R, n, RANKS] float32 log-probabilities, descending, or None
+      without `candidates`).
     """
     rows, n = labels.shape
     chunks = -(-rows // chunk_rows)
@@ -287,16 +291,18 @@ def token_scores(
         logits = readout(h_c)  # [C, n, V'] float32
         log_norm = jax.nn.logsumexp(logits, axis=-1)  # [C, n]
         picked = jnp.take_along_axis(logits, jnp.maximum(y_c, 0)[..., None], axis=-1)[..., 0]  # [C, n]
-        kl = overlap = None
+        kl = overlap = top = None
+        if candidates:
+            top = jax.lax.top_k(logits, RANKS)[0] - log_norm[..., None]  # [C, n, RANKS]
         if t_c is not None:
             log_p = target_readout(t_c)  # [C, n, V']
             log_q = logits - log_norm[..., None]
             kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [C, n]
             overlap = jnp.sum(jnp.exp(jnp.minimum(log_p, log_q)), axis=-1)  # [C, n]
-        return log_norm - picked, label_rank(logits, y_c), kl, overlap
+        return log_norm - picked, label_rank(logits, y_c), kl, overlap, top
 
-    scores = jax.lax.map(score, (h, y, t))  # [chunks, C, n] each (or None)
-    return tuple(None if x is None else x.reshape(-1, n)[:rows] for x in scores)
+    scores = jax.lax.map(score, (h, y, t))  # [chunks, C, n, ...] each (or None)
+    return tuple(None if x is None else x.reshape(-1, *x.shape[2:])[:rows] for x in scores)
 
 
 def label_rank(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -328,6 +334,11 @@ class BlockStats:
       rank_count: [n, RANKS] of the `ranked` blocks, those whose label k has rank r.
       overlap: the sum over valid blocks of sum_x min(p_k(x), q_k(x)), the target's and the drafter's
         distributions at k (0 where the loss did not read the target's: see `dflash_loss`).
+      whole: [] blocks valid at every position, the ones whose best-first trees were simulated (0 where
+        the loss did not simulate them: `dflash_loss`'s `tree_stats`).
+      tree_committed: [TREE_NODES + 1] of the `whole` blocks, the sum of the tokens c = 1 + the accepted
+        drafts that a tree of N nodes commits, N = 0 .. TREE_NODES (`tree_acceptance`).
+      tree_committed_square: [TREE_NODES + 1] the sum of c^2.
     """
 
     correct: jax.Array
@@ -337,15 +348,24 @@ class BlockStats:
     ranked: jax.Array
     rank_count: jax.Array
     overlap: jax.Array
+    whole: jax.Array
+    tree_committed: jax.Array
+    tree_committed_square: jax.Array
 
     def __add__(self, other: BlockStats) -> BlockStats:
         return jax.tree.map(jnp.add, self, other)
 
 
-def block_stats(rank: jax.Array, valid: jax.Array, overlap: jax.Array | None = None) -> BlockStats:
+def block_stats(
+    rank: jax.Array,
+    valid: jax.Array,
+    overlap: jax.Array | None = None,
+    top_log_probs: jax.Array | None = None,
+) -> BlockStats:
     """Counts from the labels' ranks [R, n] int32 (0 = the drafter's argmax, see `label_rank`), the
-    blocks' validity [R, n] bool and, when the loss read the target's distributions, their overlap with
-    the drafter's [R, n] float32."""
+    blocks' validity [R, n] bool, when the loss read the target's distributions their overlap with the
+    drafter's [R, n] float32, and given the drafter's best log-probabilities [R, n, RANKS] per position,
+    the best-first trees' commits (`tree_acceptance`)."""
     correct = rank == 0
     prefix = jnp.cumprod(correct, axis=1).astype(jnp.bool_)  # [R, n] drafts 1..k all right
     before = jnp.concatenate([jnp.ones_like(prefix[:, :1]), prefix[:, :-1]], axis=1)  # drafts 1..k-1
@@ -361,7 +381,22 @@ def block_stats(rank: jax.Array, valid: jax.Array, overlap: jax.Array | None = N
         count(ranked),
         jnp.sum(one_hot & ranked[..., None], axis=0, dtype=jnp.float32),
         jnp.zeros(rank.shape[1:]) if overlap is None else jnp.sum(jnp.where(valid, overlap, 0.0), axis=0),
+        *_tree_counts(rank, valid, top_log_probs),
     )
+
+
+def _tree_counts(
+    rank: jax.Array, valid: jax.Array, top_log_probs: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(whole blocks, their sum of c and of c^2 per tree budget) for `BlockStats`; zeros without
+    candidates."""
+    if top_log_probs is None:
+        zeros = jnp.zeros((TREE_NODES + 1,), jnp.float32)
+        return jnp.zeros((), jnp.float32), zeros, zeros
+    whole = jnp.all(valid, axis=1)  # [R]: a block cut by the sequence's end would count as rejected
+    committed = 1.0 + tree_accepted_drafts(top_log_probs, rank).astype(jnp.float32)  # [R, TREE_NODES + 1]
+    committed = jnp.where(whole[:, None], committed, 0.0)
+    return jnp.sum(whole, dtype=jnp.float32), committed.sum(axis=0), jnp.sum(committed**2, axis=0)
 
 
 def position_accuracy(stats: BlockStats) -> jax.Array:
@@ -397,6 +432,14 @@ def sampled_acceptance(stats: BlockStats) -> tuple[jax.Array, jax.Array]:
     return acc, 1.0 + jnp.sum(jnp.cumprod(acc))
 
 
+def tree_commit_curve(stats: BlockStats) -> jax.Array:
+    """[TREE_NODES + 1, 2] E[c] and E[c^2] of the tokens one step commits with a best-first tree of N
+    nodes, N = 0 .. TREE_NODES, over the simulated blocks (`tree_acceptance`); the form of
+    `dflax.decoding.tree_budget.tree_commit_moments`."""
+    whole = jnp.maximum(stats.whole, 1.0)
+    return jnp.stack([stats.tree_committed / whole, stats.tree_committed_square / whole], axis=1)
+
+
 def rank_acceptance(stats: BlockStats) -> jax.Array:
     """[n, RANKS] P(label k has rank r | labels 1..k-1 rank below RANKS): what a tree over the top
     candidates of each position accepts at depth k (see dflax.decoding.tree_budget)."""
@@ -414,6 +457,7 @@ def dflash_loss(
     attention_chunk: int,
     final_hidden: jax.Array | None = None,
     distill_weight: float = 0.0,
+    tree_stats: bool = False,
 ) -> tuple[jax.Array, BlockStats]:
     """The weighted block loss of a batch: cross-entropy to the target's tokens, mixed with the KL from
     the target's next-token distribution when `distill_weight` > 0.
@@ -434,6 +478,8 @@ def dflash_loss(
         p the target's next-token distribution (temperature 1) before the label and q the drafter's, both
         over the draft vocabulary. Acceptance at temperature 1 is the overlap sum min(p, q), which the
         cross-entropy to the greedy tokens alone does not train.
+      tree_stats: simulate each block's best-first draft trees (`tree_acceptance`) into the stats: for
+        validation, not training steps.
 
     Returns:
       (loss: sum_k w_k * loss_k * valid / sum_k w_k * valid, the batch's BlockStats). With a draft
@@ -460,8 +506,10 @@ def dflash_loss(
         target_readout = functools.partial(
             target_next_token_log_probs, proposer.target, target_params, vocab_ids=vocab_ids
         )
-    ce, rank, kl, overlap = token_scores(readout, hidden, labels, chunk_rows, target_readout, target_hidden)
+    ce, rank, kl, overlap, top = token_scores(
+        readout, hidden, labels, chunk_rows, target_readout, target_hidden, candidates=tree_stats
+    )
     position_loss = (1.0 - distill_weight) * ce + distill_weight * kl if distill_weight else ce
     w = weights[None, :] * (blocks.valid & (labels >= 0))  # [R, n]
     loss = jnp.sum(w * position_loss) / jnp.maximum(jnp.sum(w), 1e-9)
-    return loss, block_stats(rank, blocks.valid, overlap)
+    return loss, block_stats(rank, blocks.valid, overlap, top)

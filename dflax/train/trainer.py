@@ -463,12 +463,17 @@ def dflash_taps(drafter: DFlashConfig, target: ModelConfig, reads_target: bool) 
 
 
 def dflash_loss_fn(
-    proposer: DFlashProposer, config: TrainConfig, compute_dtype: str = "float32", reads_target: bool = False
+    proposer: DFlashProposer,
+    config: TrainConfig,
+    compute_dtype: str = "float32",
+    reads_target: bool = False,
+    tree_stats: bool = False,
 ) -> Callable:
     """DFlash's loss_fn(params, target_params, batch, key) -> (loss, BlockStats) for `make_steps`, its
     products at `compute_dtype` (see COMPUTE_DTYPES). The batch's features end with the target's last
     layer (its next-token distribution) when the recipe distills or `reads_target` is set; then the stats
-    carry the acceptance at temperature 1 too."""
+    carry the acceptance at temperature 1 too. With `tree_stats` (validation) they carry what best-first
+    draft trees accept."""
     weights = objective.position_weights(config.block_size, config.loss_gamma)  # [n]
     n = config.block_size - 1
     dtype = jnp.dtype(compute_dtype)
@@ -502,6 +507,7 @@ def dflash_loss_fn(
             config.attention_chunk,
             final,
             config.distill_weight,
+            tree_stats,
         )
 
     return loss_fn
@@ -644,7 +650,7 @@ def _programs(
         module = DFlashDrafter(drafter, jnp.float32, attention_backend="reference")
         proposer = DFlashProposer(module, target, config.block_size, draft_vocab=vocab)
         loss_fn = dflash_loss_fn(proposer, config, config.compute_dtype)
-        eval_loss_fn = dflash_loss_fn(proposer, config)
+        eval_loss_fn = dflash_loss_fn(proposer, config, tree_stats=True)
         taps = dflash_taps(drafter, target.config, reads_target=bool(config.distill_weight))
     sharding = None if mesh is None else TrainingSharding.for_drafter(drafter.layers, mesh)
     train_step, eval_step = make_steps(loss_fn, tx, sharding, eval_loss_fn)
@@ -720,8 +726,10 @@ def validation_pass(
     place: Callable[[dict], dict] | None = None,
 ) -> dict:
     """Loss, per-position accuracy and greedy acceptance on held-out sequences (anchors fixed by `seed`),
-    and the acceptance at temperature 1 when the loss reads the target's distributions; `place` puts each
-    host batch where the step reads it (default: as it is)."""
+    the acceptance at temperature 1 when the loss reads the target's distributions, and the tokens a
+    best-first draft tree of N nodes commits per step (E[c] and E[c^2], N = 0 .. 64: `val_tree_tau`,
+    `val_tree_square`) when it simulates them; `place` puts each host batch where the step reads it
+    (default: as it is)."""
     place = place or (lambda batch: batch)
     key = jax.random.key(seed + 1)
     losses, total = [], None
@@ -740,6 +748,9 @@ def validation_pass(
         "val_rank_accept": np.round(np.asarray(objective.rank_acceptance(total)), 4).tolist(),
         "val_tau": float(tau),
     }
+    if float(total.whole):  # the loss simulated best-first trees (DFlash's validation)
+        curve = np.round(np.asarray(objective.tree_commit_curve(total), np.float64), 4)
+        entry["val_tree_tau"], entry["val_tree_square"] = curve[:, 0].tolist(), curve[:, 1].tolist()
     if np.any(np.asarray(total.overlap)):  # the loss read the target's distributions (distill_weight)
         sampled, sampled_tau = objective.sampled_acceptance(total)
         entry["val_accept_t1"] = np.round(np.asarray(sampled), 4).tolist()

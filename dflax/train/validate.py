@@ -202,19 +202,24 @@ def _drafter_program(drafter_dir: Path, config: TrainConfig, target: Target):
     params = warm_start_params(drafter_dir, drafter_config, init_drafter_params(module))
     proposer = DFlashProposer(module, target.module, config.block_size, draft_vocab=vocab)
     taps = dflash_taps(drafter_config, target.config, reads_target=True)
-    return jax.jit(dflash_loss_fn(proposer, config, reads_target=True)), params, taps
+    return jax.jit(dflash_loss_fn(proposer, config, reads_target=True, tree_stats=True)), params, taps
 
 
-def rows_table(rows: Sequence[ValidationRow]) -> str:
-    """The rows as a Markdown table: loss, accuracy at positions 1-3, estimated tau at T=0 and T=1."""
+def rows_table(rows: Sequence[ValidationRow], tree_nodes: Sequence[int] = (8, 16)) -> str:
+    """The rows as a Markdown table: loss, accuracy at positions 1-3, estimated tau at T=0 (the chain of the
+    trained block, and best-first trees of `tree_nodes` nodes over it) and at T=1."""
+    trees = " / ".join(str(n) for n in tree_nodes)
     lines = [
-        "| drafter | held-out answers | n | loss | acc@1 / @2 / @3 | est. tau | est. tau at T=1 |",
-        "|---|---|---|---|---|---|---|",
+        "| drafter | held-out answers | n | loss | acc@1 / @2 / @3 | est. tau | "
+        f"est. tau, trees of {trees} nodes | est. tau at T=1 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         acc = " / ".join(f"{a:.3f}" for a in np.asarray(row.metrics["val_acc"])[:3])
+        m = row.metrics
+        tree_tau = " / ".join(f"{m['val_tree_tau'][n]:.3f}" for n in tree_nodes)
         lines.append(
-            f"| {row.drafter} | {row.data} | {row.sequences} | {row.metrics['val_loss']:.3f} | {acc} | "
-            f"{row.metrics['val_tau']:.3f} (B={row.block_size}) | {row.metrics['val_tau_t1']:.3f} |"
+            f"| {row.drafter} | {row.data} | {row.sequences} | {m['val_loss']:.3f} | {acc} | "
+            f"{m['val_tau']:.3f} (B={row.block_size}) | {tree_tau} | {m['val_tau_t1']:.3f} |"
         )
     return "\n".join(lines)

@@ -199,6 +199,30 @@ def test_steps_are_timed_at_the_runs_temperature_and_draft_sampling(tiny, monkey
     assert timed == [("greedy", 0.0, 1.0), ("sample", 1.0, 1.0), ("greedy", 1.0, 1.0), ("sample", 1.0, 0.9)]
 
 
+def test_auto_predicts_trees_from_their_simulated_commits_when_recorded(tiny, monkeypatch):
+    """The held-out trees' simulated commits (`tree_commits`) replace the rank acceptance's estimate."""
+    target, drafter = tiny
+
+    def costs(target, drafter, rows, context, slots, candidates, reps=7, tree_budgets=(), sampling=None):
+        return {
+            "plain_s": 1.0,
+            "chain_s": {b: 1.0 + 0.05 * b for b in candidates},
+            "tree_s": {n: 1.1 + 0.05 * n for n in tree_budgets},
+        }
+
+    monkeypatch.setattr(cost_curve, "step_costs", costs)
+    # The rank acceptance says a tree adds nothing to the chain (rank 0 only); the simulated trees of 4
+    # and 8 nodes commit 3 and 5 tokens a step, no more past 8 nodes.
+    curve = tuple((1 + min(n, 8) / 2, (1 + min(n, 8) / 2) ** 2) for n in range(65))
+    ranked = dataclasses.replace(drafter, accept=(0.5,) * 15, rank_accept=((0.5,) + (0.0,) * 7,) * 15)
+    simulated = dataclasses.replace(ranked, tree_commits=curve)
+    _, by_ranks = cost_curve.auto_block_size(target, ranked, rows=1, context=20)
+    chosen, by_trees = cost_curve.auto_block_size(target, simulated, rows=1, context=20)
+    assert by_ranks.tree_budget == 0
+    assert by_trees.predicted_trees[8][0] == pytest.approx(5.0) and by_trees.tree_budget == 8
+    assert chosen.proposer.tree_budget == 8
+
+
 def test_probe_acceptance_scales_the_held_out_acceptance(tiny):
     _, drafter = tiny
     held_out = dataclasses.replace(
@@ -219,6 +243,13 @@ def test_probe_acceptance_scales_the_held_out_acceptance(tiny):
     tree, scale = cost_curve.scaled_to_probe(held_out, [0, 5, 5, 0, 0, 0], 4, tree_budget=4)
     assert 0 < scale < 1 and tree.rank_accept[0] == pytest.approx((0.8 * scale, 0.1 * scale))
     assert tree_commit_moments(np.asarray(tree.rank_accept)[:3], 4)[4, 0] == pytest.approx(1.5, abs=1e-6)
+    # The same tree with simulated commits: they scale to the probe's 1.5 tokens, the chain alike.
+    curve = tuple((1 + 0.5 * min(n, 4), (1 + 0.5 * min(n, 4)) ** 2) for n in range(9))  # 3 tokens at 4
+    simulated = dataclasses.replace(held_out, tree_commits=curve)
+    tree, scale = cost_curve.scaled_to_probe(simulated, [0, 5, 5, 0, 0, 0], 4, tree_budget=4)
+    assert tree.tree_commits[4][0] == pytest.approx(1.5, abs=1e-6)  # drafts 2 -> 0.5: a quarter
+    assert tree.tree_commits[2][0] == pytest.approx(1 + 1.0 / 4, abs=1e-6)
+    assert expected_tau(tree.accept, 4) - 1 == pytest.approx((expected_tau(held_out.accept, 4) - 1) / 4)
     assert [cost_curve.probe_size(r, n) for r, n in ((1, 40), (8, 40), (8, 8), (3, 10), (1, 4))] == [
         4,
         8,

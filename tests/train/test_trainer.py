@@ -37,6 +37,7 @@ from dflax.train import objective, trainer
 from dflax.train.features import DeviceFeatures, FeatureCache, cache_features
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD
 from dflax.train.trainer import TrainConfig, batch_index, feature_program, pad_sequences, train
+from dflax.train.tree_acceptance import TREE_NODES
 from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
 
 RECIPE = Path(__file__).parents[2] / "configs/train/dflash-smollm2.json"
@@ -491,7 +492,7 @@ def overfit(target, sequences, tmp_path_factory):
     return train(TINY, target, sequences[:32], sequences[32:], out, console=QUIET)
 
 
-def test_overfits_own_generations_and_tau_rises(overfit):
+def test_overfits_own_generations_and_tau_rises(overfit, target):
     train_log = [e for e in overfit.log if "loss" in e]
     val_log = [e for e in overfit.log if "val_tau" in e]
     first, last = train_log[0], train_log[-1]
@@ -500,6 +501,11 @@ def test_overfits_own_generations_and_tau_rises(overfit):
     assert overfit.step == overfit.total_steps == 300 and overfit.interrupted is None
     assert last["loss"] < 0.5 * first["loss"]
     assert val_log[-1]["val_tau"] > 1.5
+    # The simulated best-first trees: nothing without nodes, more with more, c^2 above the squared mean.
+    tau, square = np.asarray(val_log[-1]["val_tree_tau"]), np.asarray(val_log[-1]["val_tree_square"])
+    assert len(tau) == TREE_NODES + 1 and tau[0] == 1.0 and np.all(np.diff(tau) >= 0) and tau[-1] > 1.5
+    assert np.all(square >= tau**2 - 1e-3)
+    assert load_drafter(overfit.drafter_dir, target).tree_commits[-1][0] == tau[-1]
 
 
 def test_training_curves_plot_the_validation_records_of_metrics_jsonl(overfit):

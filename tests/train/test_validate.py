@@ -107,7 +107,7 @@ def test_cli_validate_prints_a_table_and_writes_json(target, held_out, trained, 
     )
     assert result.exit_code == 0, result.output
     assert "| drafter | held-out answers |" in result.output and "(B=8)" in result.output
-    assert "est. tau at T=1" in result.output
+    assert "est. tau at T=1" in result.output and "est. tau, trees of 8 / 16 nodes" in result.output
     (row,) = json.loads(out.read_text())
     assert row["sequences"] == 4 and len(row["metrics"]["val_accept"]) == 7
     missing = CliRunner().invoke(
