@@ -6,7 +6,8 @@ data source (code answers, follow-up turns) has no held-out figure at all. This 
 pass (`trainer.validation_pass`: loss, accuracy and conditional acceptance per block position, estimated
 tau at the trained block size, and the acceptance at temperature 1: each position's overlap sum min(p, q)
 of the target's next-token distribution and the drafter's, both over the draft vocabulary, p renormalised
-there, so a little above what decoding at T=1 keeps) for every (drafter, data directory) pair on the
+there, so a little above what decoding at T=1 keeps; and what best-first draft trees of 0-64 nodes
+commit, simulated per block: `dflax.train.tree_acceptance`) for every (drafter, data directory) pair on the
 first `limit` answers of each directory's validation split, with one seed for every drafter, so the
 drafters see the same anchors.
 
