@@ -14,8 +14,9 @@ B over plain decoding is therefore
     speedup(B) = tau(B) * t_step(plain) / t_step(B),
 
 and the chosen block size is the one with the best predicted speedup, or none (plain decoding) when no
-block size is predicted to beat plain decoding by the required margin. Given the drafter's rank acceptance,
-best-first trees of N nodes over the largest block compete with the chains (dflax.decoding.tree_budget).
+block size is predicted to beat plain decoding by the required margin. Best-first trees of N nodes over
+the largest block compete with the chains, their tau from the drafter's simulated held-out trees
+(dflax.train.tree_acceptance) or, without those, from its rank acceptance (dflax.decoding.tree_budget).
 
 A static batch of R rows runs until its slowest row is done. Plain rows of L new tokens all take L steps;
 a speculative row takes a random number of steps, about normal with mean L / tau (plus its last step's
@@ -109,7 +110,7 @@ class BlockSizeChoice:
       block_size: the chosen B, or None for plain decoding (nothing pays).
       predicted: {B: (tau, predicted speedup over plain decoding)} for every candidate chain.
       tree_budget: the chosen tree's node budget N over blocks of `block_size`, or 0 for a chain.
-      predicted_trees: {N: (tau, predicted speedup)} for every candidate tree (empty without rank stats).
+      predicted_trees: {N: (tau, predicted speedup)} for every candidate tree (empty without tree stats).
     """
 
     block_size: int | None
