@@ -108,7 +108,8 @@ def row_sum(x: jax.Array) -> jax.Array:
     an 8-token verify block differed in the last bit (2e-7), and a bf16 target's rounding turned that into
     top-2 logit flips (20 of 40 HumanEval answers parted from plain decoding at B=8). Here the row is
     halved by elementwise adds (zero-padded to a power of two first, which leaves every sum exact), a
-    pairwise order that no leading shape changes.
+    pairwise order that no leading shape changes. `RMSNorm` sums this way on the CPU only: the ladder of
+    slices added 12% to a SmolLM2 TPU program's compile (42.6 -> 47.8 s), and the lossless tests run here.
     """
     width = 1 << (x.shape[-1] - 1).bit_length()  # the next power of two
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
@@ -135,7 +136,11 @@ class RMSNorm(nn.Module):
         init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
         weight = self.param("weight", init, (x.shape[-1],), self.dtype).astype(jnp.float32)
         xf = x.astype(jnp.float32)
-        mean_square = row_sum(xf * xf) / x.shape[-1]  # [..., 1]
+        mean_square = jax.lax.platform_dependent(  # [..., 1]; TPU and GPU programs keep XLA's reduce
+            xf,
+            cpu=lambda v: row_sum(v * v) / x.shape[-1],
+            default=lambda v: jnp.mean(v * v, axis=-1, keepdims=True),
+        )
         y = xf * jax.lax.rsqrt(mean_square + self.eps)
         scale = 1.0 + weight if self.unit_offset else weight
         return (y * scale).astype(x.dtype)
