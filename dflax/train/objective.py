@@ -167,10 +167,17 @@ def target_features(
       [L, K * D] features of the real tokens in the target's dtype: row 0's, then row 1's, ...; the rows
       past sum(lengths) hold nothing meaningful.
     """
+    packing = Packing.of_lengths(lengths, tokens.shape[1], pack_tokens)
+    return _packed_features(target, target_params, tokens, packing, tap_layers)
+
+
+def _packed_features(
+    target: Transformer, target_params, tokens: jax.Array, packing: Packing, tap_layers: tuple[int, ...]
+) -> jax.Array:
+    """`target_features` of [N, S] `tokens` laid out by `packing`: [L, K * D]."""
     num_seqs, max_len = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (num_seqs, max_len))
     cache = KVCache.init(target.config, num_seqs, max_len, target.dtype)
-    packing = Packing.of_lengths(lengths, max_len, pack_tokens)
     _, _, taps = target.apply(
         target_params, tokens, positions, cache, None, tap_layers, empty_cache=True, packing=packing
     )  # new_mask None: causal by index; taps: [1, L, D] each
@@ -191,8 +198,9 @@ def padded_target_features(
       lengths: [N] int32 real tokens per row (0 = an empty row).
     """
     num_seqs, max_len = tokens.shape
-    packed = target_features(target, target_params, tokens, lengths, tap_layers, num_seqs * max_len)
-    return Packing.of_lengths(lengths, max_len, num_seqs * max_len).unpack(packed)  # [N, S, K * D]
+    packing = Packing.of_lengths(lengths, max_len, num_seqs * max_len)
+    packed = _packed_features(target, target_params, tokens, packing, tap_layers)  # [N * S, K * D]
+    return packing.unpack(packed)  # [N, S, K * D]
 
 
 def block_hidden(
