@@ -41,16 +41,19 @@ PROBE_PROMPTS = 4  # prompts (whole batches, at least) decoded before auto choos
 AUTO_BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16)
 AUTO_TREE_BUDGETS = (4, 6, 8, 12, 16, 32, 64)  # on a 2-core CPU the best trees have 6-8 nodes
 _SLOT_MARGIN = 64
-# Decode steps per timed call, and twice as many in the call it is subtracted from. 8, not 4: the difference
-# of two calls' medians carries both calls' noise, and over 4 steps it moved a bf16 SmolLM2 step's price by
-# 10-20% between runs on a shared 2-core host, more than separated the best chain from the best tree.
-_STEPS_PER_CALL = 8
+# Decode steps per timed call; a step is priced as a proposer's fastest call over the rounds divided by this
+# count. A shared 2-core host slows calls by 10-20% for seconds at a time: the difference of two calls'
+# medians (16 less 8 steps, up to version 5) put a bf16 SmolLM2 8-node tree's step at 1.85-2.29 plain
+# steps in four repeats (the real loop: 1.85) and a 6-token chain's at 1.73-2.03, which once ranked that
+# chain above the tree that then ran 13% faster. The fastest call put them at 1.84-1.85 and 1.63-1.72.
+_STEPS_PER_CALL = 24
 # Part of the cost cache's key: raised when what a decode step runs, or how it is timed, changes without a
 # kernel's source changing (2: a 16-bit target's steps attend through the CPU kernel over their float32
 # cache; 3: a step is the difference of calls of 8 and 4 steps, without a call's loop-invariant work; 4:
 # greedy picks and DFlash's and DART's greedy drafts by `first_argmax`; 5: RMSNorm's pairwise row sum and
-# RoPE's separate angles, which make a verify block's rows compute as decode steps do).
-_STEP_PROGRAM_VERSION = 5
+# RoPE's separate angles, which make a verify block's rows compute as decode steps do; 6: the fastest call
+# of 24 steps, in place of the difference of two calls' medians).
+_STEP_PROGRAM_VERSION = 6
 
 
 def _cache_at(target: Target, rows: int, slots: int, context: int) -> KVCache:
@@ -127,7 +130,7 @@ def step_times(
     reps: int,
     sampling: SamplingParams | None = None,
 ) -> dict[Any, float]:
-    """Median seconds of one whole decode step (`dflax.decoding.decode.decode_step` under the target's
+    """Seconds of one whole decode step (`dflax.decoding.decode.decode_step` under the target's
     `sampling`, None = greedy) per proposer (None: plain decoding), for `rows` rows after `context` tokens
     in caches of `slots` slots.
 
@@ -137,10 +140,11 @@ def step_times(
 
     The proposers share one drafter's parameters and state layout (chains and trees of one DFlash or DART
     drafter). The steps are timed in `reps` rounds that each run every proposer once, so a load that comes
-    and goes on the machine slows them alike. A proposer's time is the difference of one program's calls
-    running 16 and 8 steps, divided by 8 (but at least half the longer call's time per step): the work a
-    call does once (XLA hoists loop-invariant copies out of the loop) is left out, as a decode loop of a
-    hundred steps all but leaves it out. Before each step the lengths go back to `context`.
+    and goes on the machine slows them alike. A proposer's time is its fastest call of `_STEPS_PER_CALL`
+    steps, divided by that count: a load that slows some calls then moves no price. The call's
+    loop-invariant work (XLA hoists it out of the loop, e.g. a bf16 embedding table's uint16 view) is
+    counted once per call, as a decode loop counts it once per batch; over 24 steps it adds a few percent
+    to every price alike. Before each step the lengths go back to `context`.
     """
     drafting = [p for p in proposers.values() if p is not None]
     most = max((p.num_draft for p in drafting), default=0)
@@ -160,48 +164,35 @@ def step_times(
     sampling = SamplingParams.make() if sampling is None else sampling
 
     def loop(proposer):
-        def several_steps(params, dparams, state, count):
+        def several_steps(params, dparams, state):
             def body(_, s):  # every step starts from `context` tokens, as the first one does
                 s = _at_length(s, context).replace(num_generated=jnp.ones((rows,), jnp.int32))
                 return decode_step(target.module, params, s, sampling, dparams, proposer)
 
-            return jax.lax.fori_loop(0, count, body, state)
+            return jax.lax.fori_loop(0, _STEPS_PER_CALL, body, state)
 
         # Inside one program, as in the decode loop: no dispatch per step, the cache updated in place.
         return jax.jit(several_steps, donate_argnums=(2,))
 
     loops = {key: loop(p) for key, p in proposers.items()}
 
-    def call(key, count: int) -> float:
+    def call(key) -> float:
         nonlocal state, dstate
         start = state.replace(drafter_state=None if proposers[key] is None else dstate)
         t0 = time.perf_counter()
-        state = jax.block_until_ready(loops[key](target.params, drafter_params, start, count))
+        state = jax.block_until_ready(loops[key](target.params, drafter_params, start))
         elapsed = time.perf_counter() - t0
         if state.drafter_state is not None:
             dstate = state.drafter_state
         return elapsed
 
-    def run(key) -> tuple[float, float]:
-        """Seconds of one call of _STEPS_PER_CALL steps and of one call of twice as many."""
-        return call(key, _STEPS_PER_CALL), call(key, 2 * _STEPS_PER_CALL)
-
-    def per_step(rounds: list[tuple[float, float]]) -> float:
-        # A call's loop-invariant work (XLA hoists, e.g., a bf16 embedding table's uint16 view, 56 MB for
-        # SmolLM2) is paid once per decode loop, not per step: the difference of the two calls leaves it
-        # out. That work is a small part of a real model's call (SmolLM2 bf16 at batch 8: about 14 ms of
-        # 190), while steps of a tiny test model are so cheap that the calls' dispatch noise can swamp
-        # their difference: a step is taken as at least half the longer call's time per step.
-        short, long = (statistics.median(t) for t in zip(*rounds))
-        return max((long - short) / _STEPS_PER_CALL, long / (4 * _STEPS_PER_CALL))
-
     for key in proposers:  # compiles
-        run(key)
+        call(key)
     times = {key: [] for key in proposers}
     for _ in range(reps):
         for key in proposers:
-            times[key].append(run(key))
-    return {key: per_step(t) for key, t in times.items()}
+            times[key].append(call(key))
+    return {key: min(t) / _STEPS_PER_CALL for key, t in times.items()}
 
 
 def measure_cost_curve(
@@ -268,7 +259,7 @@ def step_costs(
         # Sampled drafts (block verification) and a target that samples cost more a step than greedy ones.
         "drafts_greedily": drafter.drafts_greedily,
         "sampling": [float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)],
-        "measure": f"{2 * _STEPS_PER_CALL} less {_STEPS_PER_CALL} decode_steps, v{_STEP_PROGRAM_VERSION}",
+        "measure": f"fastest call of {_STEPS_PER_CALL} decode_steps, v{_STEP_PROGRAM_VERSION}",
         "rows": rows,
         "context": context,
         "slots": slots,
