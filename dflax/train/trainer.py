@@ -727,9 +727,9 @@ def validation_pass(
 ) -> dict:
     """Loss, per-position accuracy and greedy acceptance on held-out sequences (anchors fixed by `seed`),
     the acceptance at temperature 1 when the loss reads the target's distributions, and the tokens a
-    best-first draft tree of N nodes commits per step (E[c] and E[c^2], N = 0 .. 64: `val_tree_tau`,
-    `val_tree_square`) when it simulates them; `place` puts each host batch where the step reads it
-    (default: as it is)."""
+    best-first draft tree of N nodes commits per step (E[c] and E[c^2], N = 0 .. `TREE_NODES` of
+    `dflax.train.tree_acceptance`: `val_tree_tau`, `val_tree_square`) when it simulates them; `place` puts
+    each host batch where the step reads it (default: as it is)."""
     place = place or (lambda batch: batch)
     key = jax.random.key(seed + 1)
     losses, total = [], None

@@ -216,8 +216,8 @@ def rows_table(rows: Sequence[ValidationRow], tree_nodes: Sequence[int] = (8, 16
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        acc = " / ".join(f"{a:.3f}" for a in np.asarray(row.metrics["val_acc"])[:3])
         m = row.metrics
+        acc = " / ".join(f"{a:.3f}" for a in np.asarray(m["val_acc"])[:3])
         tree_tau = " / ".join(f"{m['val_tree_tau'][n]:.3f}" for n in tree_nodes)
         lines.append(
             f"| {row.drafter} | {row.data} | {row.sequences} | {m['val_loss']:.3f} | {acc} | "
