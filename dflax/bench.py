@@ -466,7 +466,8 @@ def run_bench(
       tree_budgets: tree budgets to run for dflash, dart and lookup (0 = a chain; without them dflash and
         lookup decode chains, dart without measured acceptance DART's published 60 nodes).
       draft_sampling: "greedy" (delta rule), "sample" (block verification) or "auto" (greedy at temperature 0
-        and with tree budgets, else sample; see `DraftSampling.for_target`).
+        and for trees, else sample, a chain beside trees included; see `DraftSampling.for_target`); each
+        dflash result with a fixed block size reports its own as draft_sampling.
       cost_curve: also time one verify forward for n = 1, 2, 4, ..., 32 tokens and one draft forward.
       cost_curve_sizes: the n of the cost curve (1 included; fewer sizes compile fewer forwards).
       console: optional rich console for progress.
@@ -579,7 +580,10 @@ def run_bench(
             chains = not any(tree_budgets or [0])
             sampling = DraftSampling.for_target(draft_sampling, temperature, tree=not chains)
             spec = load_drafter(dflash_dir or SHIPPED, loaded, draft_sampling=sampling)
-            method_drafter = spec
+            # A chain beside trees drafts as a chain alone would (sampled at T > 0 under "auto").
+            method_drafter = spec.with_draft_sampling(
+                DraftSampling.for_target(draft_sampling, temperature, tree=False)
+            )
             default = AUTO if spec.accept and chains else spec.proposer.block_size
             sizes = method_sizes = block_sizes or [default]
             if AUTO in sizes and not chains:
@@ -594,10 +598,14 @@ def run_bench(
                     )
                     settings[name] = {}  # the run reports the chosen block size and tree budget
                     continue
-                runners[name] = functools.partial(
-                    _run_dflax, drafter=method_drafter.with_block_size(b).with_tree_budget(n)
-                )
+                row_drafter = method_drafter
+                if method == "dflash" and n:
+                    row_drafter = spec  # trees draft greedily
+                row_drafter = row_drafter.with_block_size(b).with_tree_budget(n)
+                runners[name] = functools.partial(_run_dflax, drafter=row_drafter)
                 settings[name] = {"block_size": b, "tree_budget": n}
+                if method == "dflash":
+                    settings[name]["draft_sampling"] = row_drafter.proposer.draft_sampling.mode
                 if method == "lookup":
                     settings[name]["min_match"] = method_drafter.proposer.min_match
     if "auto" in shared_prefix:  # each dflax method also (or only) with shared prefixes

@@ -195,6 +195,19 @@ def test_bench_runs_several_block_sizes_in_one_run(tmp_path, target_dir):
     assert sum(by_method["dflash-b4"]["accept_hist"]) > 0
 
 
+def test_bench_chain_beside_trees_samples_its_drafts_at_temperature_1(tmp_path, target_dir):
+    prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    write_jsonl(prompts, PROMPTS[:1])
+    args = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--method", "dflash"]
+    args += ["--drafter", "untrained", "--block-size", "4", "--tree-budget", "0,4", "--temperature", "1"]
+    result = runner.invoke(app, [*args, "--max-new-tokens", "4", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    by_method = {r["method"]: r for r in json.loads(report.read_text())["results"]}
+    # The chain is what it would be alone (sampled drafts, block verification); trees need argmax drafts.
+    assert by_method["dflash-t0"]["draft_sampling"] == "sample"
+    assert by_method["dflash-t4"]["draft_sampling"] == "greedy"
+
+
 def test_bench_rounds_report_the_median_round_and_round_by_round_speedups(tmp_path, target_dir):
     prompts, report = tmp_path / "p.jsonl", tmp_path / "bench.json"
     write_jsonl(prompts, PROMPTS[:2])

@@ -77,6 +77,12 @@ class Drafter:
             )
         return dataclasses.replace(self, proposer=dataclasses.replace(self.proposer, block_size=block_size))
 
+    def with_draft_sampling(self, draft_sampling: DraftSampling) -> Drafter:
+        """The same drafter choosing its drafts by `draft_sampling` (greedy for trees, sampled or greedy for
+        chains)."""
+        proposer = dataclasses.replace(self.proposer, draft_sampling=draft_sampling)
+        return dataclasses.replace(self, proposer=proposer)
+
     def with_tree_budget(self, tree_budget: int) -> Drafter:
         """The same drafter proposing best-first trees of `tree_budget` nodes over its block (0 = a chain).
 
