@@ -776,6 +776,23 @@ def test_pipeline_data_directories_are_committed_not_ignored():
     assert ignored.stdout.split() == [], f"git ignores pipeline data: {ignored.stdout.split()}"
 
 
+def test_committed_manifests_name_only_committed_shards():
+    """Machines are not kept: every shard a committed data manifest lists must be committed beside it (a
+    manifest once listed two follow-up shards whose files were never added)."""
+    root = RECIPE.parents[2]
+    listed = subprocess.run(["git", "-C", root, "ls-files", "data"], capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    tracked = set(listed.stdout.split())
+    manifests = sorted(f for f in tracked if f.endswith("/manifest.json"))
+    assert manifests, "no committed data manifests"
+    for manifest in manifests:
+        splits = json.loads((root / manifest).read_text())["splits"]
+        folder = manifest.rsplit("/", 1)[0]
+        shards = {f"{folder}/{s['file']}" for split in splits.values() for s in split["shards"]}
+        assert shards <= tracked, f"{manifest} lists uncommitted shards: {sorted(shards - tracked)}"
+
+
 def test_pipeline_extra_data_and_train_skip_are_checked():
     from dflax.train.pipeline import ExtraData, PipelineConfig
 
