@@ -579,11 +579,7 @@ def run_bench(
             dflash_dir = None if other_dir else drafter
             chains = not any(tree_budgets or [0])
             sampling = DraftSampling.for_target(draft_sampling, temperature, tree=not chains)
-            spec = load_drafter(dflash_dir or SHIPPED, loaded, draft_sampling=sampling)
-            # A chain beside trees drafts as a chain alone would (sampled at T > 0 under "auto").
-            method_drafter = spec.with_draft_sampling(
-                DraftSampling.for_target(draft_sampling, temperature, tree=False)
-            )
+            spec = method_drafter = load_drafter(dflash_dir or SHIPPED, loaded, draft_sampling=sampling)
             default = AUTO if spec.accept and chains else spec.proposer.block_size
             sizes = method_sizes = block_sizes or [default]
             if AUTO in sizes and not chains:
@@ -598,10 +594,11 @@ def run_bench(
                     )
                     settings[name] = {}  # the run reports the chosen block size and tree budget
                     continue
-                row_drafter = method_drafter
-                if method == "dflash" and n:
-                    row_drafter = spec  # trees draft greedily
-                row_drafter = row_drafter.with_block_size(b).with_tree_budget(n)
+                row_drafter = method_drafter.with_block_size(b)
+                if method == "dflash":  # as the row would alone: a chain beside trees samples at T > 0
+                    row_sampling = DraftSampling.for_target(draft_sampling, temperature, tree=bool(n))
+                    row_drafter = row_drafter.with_draft_sampling(row_sampling)
+                row_drafter = row_drafter.with_tree_budget(n)
                 runners[name] = functools.partial(_run_dflax, drafter=row_drafter)
                 settings[name] = {"block_size": b, "tree_budget": n}
                 if method == "dflash":
