@@ -17,6 +17,7 @@ its token ids as the int32 tensor `draft_vocab` [V']. Weights are saved as float
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -44,6 +45,7 @@ def layer_config_json(layers: ModelConfig) -> dict:
         "vocab_size": layers.vocab_size,
         "max_position_embeddings": layers.max_position_embeddings,
         "tie_word_embeddings": layers.tie_word_embeddings,
+        **({"rope_scaling": dataclasses.asdict(layers.rope_scaling)} if layers.rope_scaling else {}),
     }
 
 

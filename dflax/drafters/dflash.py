@@ -31,13 +31,17 @@ from dflax.models.transformer import DecoderLayer, Transformer
 from dflax.sharding.embedding import take_rows
 
 
-def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> tuple[int, ...]:
-    """The published spread: round(1 + i * (N - 4) / (K - 1)) for i < K (36 layers -> 1, 9, 17, 25, 33)."""
-    if num_target_layers < 5:
-        return tuple(range(min(num_features, num_target_layers)))
-    if num_features == 1:
-        return (1,)
-    return tuple(int(1 + i * (num_target_layers - 4) / (num_features - 1) + 0.5) for i in range(num_features))
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference's taps for a drafter of `num_draft_layers` layers (dflash's `build_target_layer_ids`).
+
+    One draft layer taps the middle layer N // 2; L > 1 layers tap round(1 + i * (N - 4) / (L - 1)) for
+    i < L (Python's round, halves to even: 30 layers, 5 taps -> 1, 8, 14, 20, 27). On targets of under 4
+    layers the spread reaches down to -1, the embedding output (HF hidden_states[0]), as the reference's does.
+    """
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
 
 
 # Decoder-layer kinds a drafter can have: Qwen3 (q/k-norm, the official layout) and Llama (no q/k-norm).
@@ -52,7 +56,8 @@ class DFlashConfig:
       layers: the drafter's decoder layers at the target's width, heads, FFN: Qwen3-style (q/k-norm, the
         official layout) or Llama-style (no q/k-norm), see DRAFTER_LAYER_ARCHS.
       block_size: B, tokens per drafted block (the anchor + B - 1 drafts) it was trained for.
-      target_layer_ids: target layers whose outputs are fused (HF hidden_states[l + 1]).
+      target_layer_ids: target layers whose outputs are fused (HF hidden_states[l + 1]; -1 is the
+        embedding output).
       mask_token_id: a target token id used as the mask (official Qwen3 drafters); None = a learned
         mask embedding owned by the drafter.
       feature_norm: RMS-normalize each tapped layer's features before `fc` (a dflax option, off in
@@ -78,7 +83,8 @@ class DFlashConfig:
         feature_norm: bool = False,
         layer_arch: str = "qwen3",
     ) -> DFlashConfig:
-        """A drafter config at the target's width/heads/FFN (layer ids by the published spread by default).
+        """A drafter config at the target's width/heads/FFN (taps by the reference's spread for
+        `num_layers` by default, see `default_target_layer_ids`).
 
         `layer_arch` is the kind of the drafter's decoder layers: "qwen3" (q/k-norm, the official layout)
         or "llama" (none; what a drafter copied from a Llama target's layers needs to behave as they do).
@@ -103,7 +109,9 @@ class DFlashConfig:
             max_position_embeddings=target.max_position_embeddings,
         )
         ids = (
-            target_layer_ids if target_layer_ids is not None else default_target_layer_ids(target.num_layers)
+            target_layer_ids
+            if target_layer_ids is not None
+            else default_target_layer_ids(target.num_layers, num_layers)
         )
         return cls(
             layers=layers,
@@ -120,7 +128,7 @@ class DFlashConfig:
             problems.append(f"hidden size {self.layers.hidden_size} != target's {target.hidden_size}")
         if self.layers.vocab_size != target.vocab_size:
             problems.append(f"vocabulary {self.layers.vocab_size} != target's {target.vocab_size}")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        bad = [i for i in self.target_layer_ids if not -1 <= i < target.num_layers]
         if bad:
             problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:

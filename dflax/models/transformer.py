@@ -185,7 +185,8 @@ class Transformer(nn.Module):
             and chains: token i sees new tokens j <= i), which the Pallas kernels compute from iotas
             (and skip the tiles above the diagonal) instead of reading a mask; padding tokens after a
             row's prompt then see each other, but no real token sees them.
-          tap_layers: layer ids whose OUTPUT hidden states to return (HF hidden_states[l + 1]).
+          tap_layers: layer ids whose OUTPUT hidden states to return (HF hidden_states[l + 1]; -1 is the
+            embedding output).
           empty_cache: static promise that every row's cache length is 0 (prefill): attention then
             skips the cache instead of scoring and masking all of its slots.
           packing: run the token-wise parts (embedding, projections, MLP, norms) on the real tokens only,
@@ -198,7 +199,7 @@ class Transformer(nn.Module):
         if packing is not None and not empty_cache:
             raise ValueError("packed tokens are for prompts: pass empty_cache=True with packing")
         x = self.embed(tokens if packing is None else packing.pack(tokens)[None])  # [B, T, D] or [1, L, D]
-        ks, vs, taps = [], [], {}
+        ks, vs, taps = [], [], {-1: x}  # tap -1: the embedding output (HF hidden_states[0])
         for i, layer in enumerate(self.layers):
             x, k_cache, v_cache = layer(
                 x,
