@@ -66,8 +66,82 @@ def config_to_json(config: DFlashConfig, num_target_layers: int) -> dict:
     }
 
 
+# dflash_config keys that only DFlash 2 drafters (DFlash2DraftModel) carry: the candidate selector and the
+# grouped dynamic convolutions around each sublayer.
+DFLASH2_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
+
+
+def _is_neutral_scale(value) -> bool:
+    return value is None or float(value) == 1.0
+
+
+def _is_neutral_softcap(value) -> bool:
+    return value is None or float(value) <= 0  # the reference applies a soft cap only when it is > 0
+
+
+def _is_false(value) -> bool:
+    return not value
+
+
+# Config keys that change the drafter's math, which dflax does not implement, with the test for the value at
+# which they are a no-op. The reference reads each from dflash_config first, then from the top level.
+_MATH_KEYS = {
+    "input_embedding_scale": _is_neutral_scale,  # scales the target embeddings of the block
+    "output_multiplier": _is_neutral_scale,  # scales the draft logits
+    "final_logit_softcapping": _is_neutral_softcap,  # tanh soft cap on the draft logits
+    "use_swa": _is_false,  # sliding-window drafter attention (vLLM spelling)
+    "attention_sink_bias": _is_false,  # a learned per-head attention sink
+    "attention_value_scale": _is_neutral_scale,
+    "partial_rotary_factor": _is_neutral_scale,  # RoPE on part of each head
+}
+
+
+def check_supported(data: dict) -> None:
+    """Raises CheckpointError, naming the keys, when a drafter config.json asks for math dflax lacks.
+
+    Refused: DFlash 2 drafters (architecture DFlash2DraftModel, or the candidate-selector / convolution keys
+    in dflash_config); keys in _MATH_KEYS away from their neutral value; drafter layers with sliding-window
+    or causal attention (`layer_types` with "sliding_attention", `is_causal: true`), where dflax drafts a
+    block with bidirectional attention over the whole context.
+    """
+    dflash = data.get("dflash_config") or {}
+    dflash2_keys = [k for k in DFLASH2_KEYS if dflash.get(k)]
+    if "DFlash2DraftModel" in (data.get("architectures") or []) or dflash2_keys:
+        found = ", ".join(dflash2_keys) or "architectures: DFlash2DraftModel"
+        raise CheckpointError(
+            f"this is a DFlash 2 drafter (candidate selector, grouped dynamic convolutions; {found}); "
+            "dflax loads DFlash drafters only for now"
+        )
+    bad = []
+    for key, neutral in _MATH_KEYS.items():
+        value = dflash.get(key, data.get(key))
+        if not neutral(value):
+            bad.append(f"{key}={value!r}")
+    sliding = [i for i, kind in enumerate(data.get("layer_types") or ()) if kind == "sliding_attention"]
+    if sliding:
+        window = data.get("sliding_window")
+        bad.append(f"layer_types: sliding_attention at layers {sliding} (sliding_window={window})")
+    if data.get("is_causal"):
+        bad.append("is_causal=True")
+    if bad:
+        raise CheckpointError(
+            "drafter config.json asks for drafter math that dflax does not implement: "
+            + "; ".join(bad)
+            + ". dflax runs the plain DFlash drafter: bidirectional attention over the block and the whole "
+            "context, full RoPE, no attention sinks, unscaled embeddings and logits"
+        )
+
+
 def config_from_json(data: dict) -> DFlashConfig:
-    """Reads an official (or dflax-written) drafter config.json dictionary."""
+    """Reads an official (or dflax-written) drafter config.json dictionary.
+
+    Values in `dflash_config` take precedence over top-level ones, as in the reference implementation.
+
+    Raises:
+      CheckpointError: for a config dflax cannot run (see `check_supported`), an unknown layer kind, or no
+        target_layer_ids.
+    """
+    check_supported(data)
     dflash = data.get("dflash_config") or {}
     layer_ids = dflash.get("target_layer_ids", data.get("target_layer_ids"))
     if layer_ids is None:
@@ -81,7 +155,7 @@ def config_from_json(data: dict) -> DFlashConfig:
     layers = ModelConfig.from_hf({**data, "model_type": arch})
     return DFlashConfig(
         layers=layers,
-        block_size=int(data.get("block_size", dflash.get("block_size", 16))),
+        block_size=int(dflash.get("block_size", data.get("block_size", 16))),
         target_layer_ids=tuple(int(i) for i in layer_ids),
         mask_token_id=dflash.get("mask_token_id", data.get("mask_token_id")),
         feature_norm=bool(dflash.get("feature_norm", False)),
