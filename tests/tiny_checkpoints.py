@@ -46,6 +46,17 @@ def hf_config(name: str):
             tie_word_embeddings=True,
             rope_theta=100000.0,
         )
+    if name == "distinct-axes":  # query heads, KV heads, head dim, width and vocabulary all differ
+        geometry = dict(hidden_size=42, intermediate_size=56, num_hidden_layers=6, num_attention_heads=6)
+        return LlamaConfig(
+            **{**_COMMON, **geometry, "num_key_value_heads": 3},
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+        )
+    if name == "smollm2-heads":  # SmolLM2-135M's attention geometry (9 heads, 3 KV heads, head dim 64)
+        geometry = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=4)
+        return LlamaConfig(**{**_COMMON, **geometry}, tie_word_embeddings=True, rope_theta=100000.0)
     if name == "qwen2":
         return Qwen2Config(**_COMMON, tie_word_embeddings=False, rope_theta=1000000.0)
     if name == "qwen3":

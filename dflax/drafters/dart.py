@@ -132,7 +132,9 @@ def attention(q, ctx_k, ctx_v, ctx_mask, own_k, own_v):
       [B, M, T, N, H] in q's dtype.
     """
     b, m, t, n, h = q.shape
-    k_heads = ctx_k.shape[1]
+    k_heads = own_k.shape[3]
+    if ctx_k.shape[1] != k_heads:
+        raise ValueError(f"context keys {ctx_k.shape} are not head-major [B, K, S, H] with K = {k_heads}")
     qg = q.reshape(b, m, t, k_heads, n // k_heads, h).astype(jnp.float32) * h**-0.5
     ctx = jnp.einsum("bmtkgh,bksh->bmkgts", qg, ctx_k.astype(jnp.float32))  # [B, M, K, G, T, S]
     own = jnp.einsum("bmtkgh,bmukh->bmkgtu", qg, own_k.astype(jnp.float32))  # [B, M, K, G, T, T]
@@ -234,7 +236,8 @@ class DartDrafter(nn.Module):
         """Touches every parameter (for `init`)."""
         u = self.fuse(features, next_embeds)[:, None]  # [B, 1, T, 2D]
         b, _, t, _ = u.shape
-        k, v = self.context_kv(u[:, 0], positions)
+        k, v = self.context_kv(u[:, 0], positions)  # [B, T, K, H]
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H], the cache's layout
         hidden = self(u, positions[:, None], k, v, jnp.ones((b, 1, t, t), jnp.bool_))
         return self.logits(hidden), self.mask_vector()
 

@@ -7,6 +7,10 @@
 - Greedy decoding with an untrained DART drafter (chain; trees with and without an n-gram prior) equals
   plain greedy decoding token for token in a mixed-length batch, and the batch equals each prompt alone.
 - The checkpoint directory round-trips (weights, draft vocabulary, n-gram tables) and a misfit fails at load.
+- At a geometry whose axes all differ and at SmolLM2-135M's heads (9, 3 KV, head dim 64), an untrained
+  drafter initialises, its first proposal after prefill equals the training forward's (which lays out the
+  context keys on its own), and greedy decoding with it is lossless (a regression: init once handed
+  attention sequence-major keys where it reads the head-major cache's [B, K, S, H]).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,11 +26,16 @@ from greedy_decoding import greedy
 
 import dflax
 from dflax.checkpoints.params import CheckpointError
+from dflax.decoding.cache import KVCache
+from dflax.decoding.decode import prefill
+from dflax.decoding.sampling import SamplingParams, first_argmax
 from dflax.decoding.tree import ancestor_mask, depths, with_root
 from dflax.drafters import load_drafter
+from dflax.drafters.dart import DartDrafter
 from dflax.drafters.dart_loader import load_dart
 from dflax.drafters.dart_tree import BeamSettings, NgramPrior, dart_tree, ngram_probability
 from dflax.drafters.ngram import build_ngram_table
+from dflax.train.dart_objective import dart_hidden
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40]]
 
@@ -186,3 +196,69 @@ def _leaves(params):
     from flax.traverse_util import flatten_dict
 
     return {"/".join(k): v for k, v in flatten_dict(params["params"]).items()}
+
+
+@pytest.fixture(scope="module", params=["distinct-axes", "smollm2-heads"])
+def geometry_target(request, tiny_checkpoint):
+    """A tiny target whose batch, prompt, head, KV head, head dim and vocabulary axes all differ, or one
+    with SmolLM2-135M's attention heads (see tiny_checkpoints)."""
+    return dflax.load_target(str(tiny_checkpoint(request.param)[0]))
+
+
+def test_first_proposal_equals_the_training_forward(geometry_target):
+    target = geometry_target
+    drafter = load_dart("untrained", target)
+    proposer, params = drafter.proposer, drafter.params
+    lens = np.asarray([len(p) for p in PROMPTS], np.int32)
+    b, p, max_new = len(PROMPTS), int(lens.max()), 4
+    prompts = np.zeros((b, p), np.int32)
+    for r, ids in enumerate(PROMPTS):
+        prompts[r, : lens[r]] = ids
+
+    @jax.jit
+    def first_proposal(target_params, params):
+        state = prefill(
+            target.module,
+            target_params,
+            jnp.asarray(prompts),
+            jnp.asarray(lens),
+            KVCache.init(target.config, b, p + max_new + proposer.num_draft + 1, target.cache_dtype),
+            jnp.full((b,), max_new, jnp.int32),
+            jax.vmap(jax.random.key)(jnp.arange(b)),
+            jnp.asarray(target.eos_ids, jnp.int32),
+            SamplingParams.make(),
+            params,
+            max_tokens=max_new,
+            proposer=proposer,
+        )
+        chain, _ = proposer.propose(params, target_params, state, None)  # [B, d]
+        logits = proposer.draft_logits(params, state.drafter_state, state.last_token)  # [B, d, V]
+        return state.last_token, chain, logits
+
+    @jax.jit
+    def training_forward(target_params, params, tokens):  # [B, P + 1] each prompt, then its first token
+        positions = jnp.broadcast_to(jnp.arange(p + 1, dtype=jnp.int32), (b, p + 1))
+        cache = KVCache.init(target.config, b, p + 1, target.cache_dtype)
+        _, _, taps = target.module.apply(
+            target_params, tokens, positions, cache, None, proposer.tap_layers, empty_cache=True
+        )
+        anchors = jnp.asarray(lens - 1)[:, None]  # [B, 1] each prompt's last position
+        hidden = dart_hidden(
+            proposer.module, params.drafter, params.embed, jnp.concatenate(taps, -1), tokens, anchors
+        )
+        return proposer.module.apply(params.drafter, hidden, method=DartDrafter.logits)[:, 0]  # [B, d, V]
+
+    first, chain, decoded = first_proposal(target.params, params)
+    np.testing.assert_array_equal(chain, first_argmax(decoded))
+    tokens = np.pad(prompts, ((0, 0), (0, 1)))
+    tokens[np.arange(b), lens] = np.asarray(first)
+    trained = training_forward(target.params, params, jnp.asarray(tokens))
+    np.testing.assert_allclose(decoded, trained, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [0, 12])
+def test_untrained_dart_is_lossless_at_every_geometry(geometry_target, budget):
+    drafter = load_dart("untrained", geometry_target, tree_budget=budget)
+    expected, _ = greedy(geometry_target, PROMPTS, 12)
+    got, _ = greedy(geometry_target, PROMPTS, 12, drafter)
+    assert got == expected
