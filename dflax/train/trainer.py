@@ -83,13 +83,19 @@ from dflax.train.features import DeviceFeatures, FeatureCache, cache_features
 from dflax.train.recipe import RunSettings, read_recipe
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD, record_warm_start, write_report
 from dflax.train.target_init import init_from_target
-from dflax.train.warm_start import resolve_drafter_dir, warm_start_params, warm_start_vocab
+from dflax.train.warm_start import (
+    resolve_drafter_dir,
+    warm_start_matching_params,
+    warm_start_params,
+    warm_start_vocab,
+)
 
 # What a checkpoint must share with the run it resumes: the start, the data order and the anchors.
 _ORDER_FIELDS = (
     "seed",
     "init",
     "init_from",
+    "init_match",
     "layer_kind",
     "batch_size",
     "max_seq_len",
@@ -103,6 +109,9 @@ _ORDER_FIELDS = (
 # How a run's drafter starts: random weights, the target's last layers (dflax.train.target_init), or an
 # exported drafter (dflax.train.warm_start).
 INITS = ("random", "target", "drafter")
+# How init "drafter" reads its parent: "architecture" (the same architecture, every parameter) or "shapes"
+# (any DFlash drafter of the target's width: the parameters whose names and shapes agree).
+INIT_MATCHES = ("architecture", "shapes")
 DRAFT_VOCAB_SOURCES = ("data", "warm_start")  # see TrainConfig.draft_vocab_from
 
 # What a recipe trains: a DFlash drafter (block diffusion, dflax.drafters.dflash) or a DART drafter
@@ -150,6 +159,8 @@ class TrainConfig(RunSettings):
         "drafter" to start from the exported drafter `init_from` (warm start, see dflax.train.warm_start).
       init_from: with init "drafter": "shipped" (the drafter dflax ships for the target) or a drafter
         directory.
+      init_match: with init "drafter": "architecture" (the parent has the recipe's architecture) or
+        "shapes" (copy the parent's parameters whose names and shapes agree; see INIT_MATCHES).
       draft_vocab_size: V', the drafter reads out only the V' most frequent tokens of the training
         responses (dflax.drafters.draft_vocab); 0 = the target's whole vocabulary.
       draft_vocab_from: where a pruned vocabulary comes from: "data" (this run's responses) or
@@ -187,6 +198,7 @@ class TrainConfig(RunSettings):
     layer_kind: str = "qwen3"
     init: str = "random"
     init_from: str | None = None
+    init_match: str = "architecture"
     draft_vocab_size: int = 0
     draft_vocab_from: str = "data"
     anchors_per_seq: int = 32
@@ -236,6 +248,11 @@ class TrainConfig(RunSettings):
                 "training config: init 'drafter' needs init_from ('shipped' or a drafter directory), and "
                 f"init_from is only read with init 'drafter' (got init {self.init!r}, init_from "
                 f"{self.init_from!r})"
+            )
+        if self.init_match not in INIT_MATCHES:
+            raise ValueError(
+                f"training config: init_match {self.init_match!r} unknown; "
+                f"use one of {', '.join(INIT_MATCHES)}"
             )
         if self.layer_kind not in LAYER_KINDS:
             raise ValueError(
@@ -787,12 +804,18 @@ def _initial_state(
     config: TrainConfig,
     target: Target,
     parent: Path | None,
+    console: Console,
 ) -> TrainState:
     """The step-0 state: fresh, from the target's layers, or from the exported drafter `parent`."""
     init = init_dart_params if isinstance(module, DartDrafter) else init_drafter_params
     params = init(module, config.seed)
     if config.init == "target":
         params = init_from_target(params, target.params, target.config, module.config)
+    elif parent is not None and config.init_match == "shapes":
+        params, copied, kept = warm_start_matching_params(parent, params)
+        console.print(
+            f"warm start from {parent}: {len(copied)} parameters copied, fresh: {', '.join(kept) or 'none'}"
+        )
     elif parent is not None:
         params = warm_start_params(parent, module.config, params)
     return TrainState(
@@ -870,7 +893,7 @@ def train(
             raise ValueError("DART trains on one device for now: leave out --mesh (DFlash trains on a mesh)")
         TrainingSharding.for_drafter(drafter_config.layers, target.mesh).check_batch(config.batch_size)
     programs = _programs(drafter_config, target.module, config, total_steps, vocab_key, target.mesh)
-    state = _initial_state(programs.module, programs.tx, config, target, parent)
+    state = _initial_state(programs.module, programs.tx, config, target, parent, console)
     place_batch = (lambda batch: batch) if programs.sharding is None else programs.sharding.place_batch
     if programs.sharding is not None:
         state = programs.sharding.place_state(state)

@@ -5,6 +5,10 @@ state, so a warm-started run begins a new schedule (warmup included) from those 
 have the architecture the recipe trains (same layers, tapped target layers, mask and feature norm); the
 block size may differ (the weights do not depend on it) and so may the draft vocabulary (the LM head is
 the target's; the run picks its own from its data, or keeps the parent's: `warm_start_vocab`).
+
+A run may also start a drafter of another architecture from one (`init_match` "shapes"): every parameter
+whose name and shape agree is copied, the rest keep their fresh initialisation. That is how a drafter in
+the official layout (Qwen3 layers, a mask token, no feature norm) starts from the shipped one.
 """
 
 from __future__ import annotations
@@ -66,6 +70,36 @@ def warm_start_params(path: Path, config: DFlashConfig, params: dict) -> dict:
             "feature_norm in the recipe) or init 'target'"
         )
     return jax.tree.map(lambda new, old: jnp.array(old, new.dtype, copy=True), params, loaded)
+
+
+def warm_start_matching_params(path: Path, params: dict) -> tuple[dict, list[str], list[str]]:
+    """The drafter's parameters where name and shape agree with `params`, the fresh ones elsewhere.
+
+    Args:
+      path: a drafter directory (of any DFlash architecture at the same width).
+      params: freshly initialised parameters of the architecture being trained.
+
+    Returns:
+      (params, copied, kept): the parameters in `params`' dtypes, in buffers of their own, and the
+      '/'-joined names copied from `path` and kept fresh.
+    """
+    _, loaded, _ = load_drafter_checkpoint(path, jnp.float32)
+    found = {
+        "/".join(str(k.key) for k in key_path): leaf
+        for key_path, leaf in jax.tree_util.tree_leaves_with_path(loaded)
+    }
+    copied, kept = [], []
+
+    def pick(key_path, new):
+        name = "/".join(str(k.key) for k in key_path)
+        old = found.get(name)
+        if old is not None and old.shape == new.shape:
+            copied.append(name)
+            return jnp.array(old, new.dtype, copy=True)
+        kept.append(name)
+        return jnp.array(new, copy=True)
+
+    return jax.tree_util.tree_map_with_path(pick, params), copied, kept
 
 
 def warm_start_vocab(path: Path, size: int) -> np.ndarray:
