@@ -1,4 +1,4 @@
-"""The `dflax` command line: generate, bench, make-data, train, validate, pipeline and plan."""
+"""The `dflax` command line: generate, bench, make-data, train, validate, pipeline, export and plan."""
 
 from __future__ import annotations
 
@@ -859,6 +859,30 @@ def pipeline_command(
         _fail(str(e))
     if result.interrupted is not None:
         raise typer.Exit(128 + result.interrupted)
+
+
+@app.command("export")
+def export_command(
+    drafter: str = typer.Option(
+        ..., help="the drafter to export: a drafter directory, a shipped drafter's name, or 'shipped'"
+    ),
+    out: Path = typer.Option(..., help="directory to write (config.json + model.safetensors)"),
+    format: str = typer.Option("official", help="official: the z-lab/dflash layout the reference loads"),
+    target: str = typer.Option(DEFAULT_TARGET, help="whose shipped drafter 'shipped' means"),
+) -> None:
+    """Write a DFlash drafter in the official format (what `DFlashDraftModel.from_pretrained` loads)."""
+    from dflax.drafters import SHIPPED
+    from dflax.drafters.official import FORMATS, export_official
+    from dflax.drafters.shipped import named_drafter_path, shipped_drafter_path
+
+    if format not in FORMATS:
+        _fail(f"--format {format!r}: use one of {', '.join(FORMATS)}")
+    source = shipped_drafter_path(target) if drafter == SHIPPED else named_drafter_path(drafter)
+    try:
+        written = export_official(source or drafter, out)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    console.print(f"wrote {written} in the {format} format")
 
 
 @app.command("plan")

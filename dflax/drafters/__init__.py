@@ -20,7 +20,7 @@ from dflax.drafters.dflash import (
 )
 from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, diffuspec
 from dflax.drafters.lookup import LookupDrafter, prompt_lookup
-from dflax.drafters.shipped import SHIPPED_DRAFTERS, shipped_drafter_path
+from dflax.drafters.shipped import SHIPPED_DRAFTERS, named_drafter_path, shipped_drafter_path
 from dflax.drafters.training_record import (
     measured_acceptance,
     measured_rank_acceptance,
@@ -109,7 +109,8 @@ def load_drafter(
     Args:
       name_or_path: a drafter directory (official z-lab/dflash layout or one dflax saved; a DART directory,
         see dflax.drafters.dart_checkpoint, loads with `load_dart`), "shipped" for
-        the drafter dflax ships for the target (see dflax.drafters.shipped), or "untrained" for a randomly
+        the drafter dflax ships for the target, the name of a shipped drafter (e.g. "smollm2-135m-official";
+        see dflax.drafters.shipped), or "untrained" for a randomly
         initialised drafter at the target's width (tau near 1; for tests).
       target: the loaded target; the drafter shares its embedding and LM head.
       block_size: B at decode time; default the block size the drafter was trained with.
@@ -129,6 +130,8 @@ def load_drafter(
                 f"{', '.join(SHIPPED_DRAFTERS)}); give a drafter directory, e.g. one made by `dflax train`"
             )
         name_or_path = shipped
+    elif named_drafter_path(str(name_or_path)) is not None:
+        name_or_path = named_drafter_path(str(name_or_path))
     accept = rank_accept = tree_commits = None
     if str(name_or_path) == UNTRAINED:
         config = DFlashConfig.for_target(target.config)

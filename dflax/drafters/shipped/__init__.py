@@ -15,6 +15,10 @@ _HERE = Path(__file__).parent
 # target name -> directory of its shipped drafter
 SHIPPED_DRAFTERS = {"smollm2-135m": _HERE / "smollm2-135m"}
 
+# name -> directory of every shipped DFlash drafter, loadable as `--drafter NAME`: the defaults above and
+# those in the official format (Qwen3 layers, a mask token; what the reference `dflash` runs)
+NAMED_DRAFTERS = {**SHIPPED_DRAFTERS, "smollm2-135m-official": _HERE / "smollm2-135m-official"}
+
 # target name -> directory of its shipped adapted diffusion drafter (DiffuSpec)
 SHIPPED_DIFFUSION_DRAFTERS = {"smollm2-135m": _HERE / "smollm2-135m-diffusion"}
 
@@ -22,6 +26,12 @@ SHIPPED_DIFFUSION_DRAFTERS = {"smollm2-135m": _HERE / "smollm2-135m-diffusion"}
 def shipped_drafter_path(target_name: str) -> Path | None:
     """The directory of the drafter shipped for a built-in target, or None when there is none."""
     path = SHIPPED_DRAFTERS.get(target_name)
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
+def named_drafter_path(name: str) -> Path | None:
+    """The directory of the shipped drafter called `name` (see NAMED_DRAFTERS), or None."""
+    path = NAMED_DRAFTERS.get(name)
     return path if path is not None and (path / "config.json").is_file() else None
 
 
