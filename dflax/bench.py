@@ -26,6 +26,7 @@ from dflax.cost_curve import COST_CURVE_SIZES, measure_cost_curve
 from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.shared_prefix import share_groups
 from dflax.divergence import first_differences
+from dflax.drafters.checkpoint import load_drafter_checkpoint
 from dflax.drafters.dflash import DRAFT_SAMPLING_MODES
 from dflax.generation import (
     cache_slots,
@@ -39,7 +40,7 @@ from dflax.prompts import load_prompts, with_system_prompt
 from dflax.roofline import machine_facts, measure_roofline, step_floor_s
 from dflax.target import Target, load_target
 
-BENCH_METHODS = ("ar", "dflash", "dart", "lookup", "diffuspec", "hf")
+BENCH_METHODS = ("ar", "dflash", "dart", "lookup", "diffuspec", "hf", "official")
 AUTO = "auto"  # a block size chosen by the cost model (dflax.decoding.block_size)
 
 
@@ -360,7 +361,7 @@ def _add_projection(results: list[dict], target: Target, drafter, n_prompts: int
         drafter_params = _weights_read(drafter.params) + head_rows * target.config.hidden_size
     dart_params = _weights_read(dart.params.drafter) if dart is not None else 0  # its own LM head included
     for r in results:
-        if r.get("block_size"):
+        if r.get("block_size") and r["method"] != "official":  # dflax's own steps only
             rows = min(r["batch_size"], n_prompts)
             verified = r["tree_budget"] + 1 if r.get("tree_budget") else r["block_size"]
             read = {"dflash": drafter_params, "dart": dart_params}.get(r["method"].split("-")[0], 0)
@@ -383,10 +384,10 @@ def _with_refills(runners: dict, settings: dict, refill_every: list[int], mesh: 
         for k in (k for k in refill_every if k > 0):
             if mesh:
                 raise ValueError("--refill-every does not run on a mesh yet; leave it out with --mesh")
-            if runner is _run_hf or getattr(runner, "func", None) is _run_auto:
+            if runner is not _run_dflax and getattr(runner, "func", None) is not _run_dflax:
                 raise ValueError(
                     f"--refill-every applies to dflax's methods at fixed block sizes, not {name!r}: "
-                    "give --block-size N for dflash, or leave out hf"
+                    "give --block-size N for dflash, or leave out hf and official"
                 )
             keywords = runner.keywords if isinstance(runner, functools.partial) else {}
             if keywords.get("shared_prefix", "none") != "none":
@@ -534,6 +535,19 @@ def run_bench(
             runners[method] = _run_hf if method == "hf" else _run_dflax
             settings[method] = {"block_size": None, "tree_budget": None}
             continue
+        if method == "official":  # the reference DFlash with the drafter the dflash rows run
+            from dflax.drafters import SHIPPED
+            from dflax.drafters.shipped import named_drafter_path, shipped_drafter_path
+            from dflax.reference import bench_runner, check_reference_installed, official_drafter_dir
+
+            check_reference_installed()
+            source = drafter or SHIPPED
+            path = shipped_drafter_path(loaded.name) if source == SHIPPED else named_drafter_path(source)
+            official = official_drafter_dir(path or source)
+            runners[method] = functools.partial(bench_runner, drafter=official)
+            settings[method] = {"block_size": load_drafter_checkpoint(official, jnp.float32)[0].block_size}
+            settings[method]["tree_budget"] = None
+            continue
         if method == "diffuspec":
             for name, diffuspec, setting in _diffuspec_runs(
                 drafter, loaded, diffuspec_windows, refine_steps, cps_modes
@@ -607,7 +621,7 @@ def run_bench(
                     settings[name]["min_match"] = method_drafter.proposer.min_match
     if "auto" in shared_prefix:  # each dflax method also (or only) with shared prefixes
         for name, runner in list(runners.items()):
-            if name == "hf":
+            if name in ("hf", "official"):
                 continue
             runners[f"{name}-shared"] = functools.partial(runner, shared_prefix="auto")
             settings[f"{name}-shared"] = settings[name]

@@ -29,6 +29,20 @@ class _FirstTokenClock:
         pass
 
 
+def load_model(kind: str, path: str):
+    """The target as a float32 transformers PyTorch model, in eval mode (kind "gguf" or "hf_dir", as
+    `dflax.checkpoints.registry.resolve` names them)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
 def run(request: dict) -> list[dict]:
     """Generates every batch of the request; returns per-batch tokens and timings.
 
@@ -37,14 +51,8 @@ def run(request: dict) -> list[dict]:
         "temperature", "eos_ids", "pad_id", "seed"}.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
-    path = Path(request["path"])
-    if request["kind"] == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
+    model = load_model(request["kind"], request["path"])
     eos, pad, temperature = request["eos_ids"], request["pad_id"], request["temperature"]
 
     def generate(rows, budget, seed):
