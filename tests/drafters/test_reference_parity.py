@@ -20,9 +20,14 @@ import torch
 from dflash.model import DFlashDraftModel, build_target_layer_ids
 from transformers import DynamicCache
 
-from dflax.decoding.cache import KVCache, write_kv
 from dflax.drafters.checkpoint import load_drafter_checkpoint, save_drafter
-from dflax.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids, init_drafter_params
+from dflax.drafters.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    DFlashProposer,
+    default_target_layer_ids,
+    init_drafter_params,
+)
 from dflax.models.config import ModelConfig, RopeScaling
 
 ATOL = 1e-4
@@ -100,7 +105,7 @@ class Inputs:
         self.lm_head = rng.normal(size=(target.vocab_size, target.hidden_size)).astype(np.float32)  # [V, D]
         block = [anchor] + [config.mask_token_id] * (config.block_size - 1)
         self.block = self.embedding[block][None]  # [1, B, D]
-        self.context_len = context_len
+        self.context_len, self.anchor = context_len, anchor
 
 
 def reference_hidden(path, inputs: Inputs, split: int | None = None) -> np.ndarray:
@@ -133,22 +138,27 @@ def reference_hidden(path, inputs: Inputs, split: int | None = None) -> np.ndarr
     return out[0].numpy()
 
 
-def dflax_hidden(path, inputs: Inputs) -> np.ndarray:
-    """dflax's [B, D] final hidden states: context K/V projected into its draft cache, then the block."""
+def dflax_hidden(path, inputs: Inputs, split: int | None = None) -> np.ndarray:
+    """dflax's [B, D] final hidden states, through the code decoding runs: the proposer observes the
+    context features into its draft cache (in two steps when `split`), then drafts the block."""
     config, params, _ = load_drafter_checkpoint(path, jnp.float32)
-    module = DFlashDrafter(config)
     n, b = inputs.context_len, inputs.block.shape[1]
-    context_positions = jnp.arange(n, dtype=jnp.int32)[None]
-    ks, vs = module.apply(params, jnp.asarray(inputs.features), context_positions, method=module.context_kv)
-    cache = KVCache.init(config.layers, 1, n + b, jnp.float32)
-    start = jnp.zeros((1,), jnp.int32)
-    cache = cache.replace(
-        k=tuple(write_kv(buf, k, start) for buf, k in zip(cache.k, ks)),
-        v=tuple(write_kv(buf, v, start) for buf, v in zip(cache.v, vs)),
-        lengths=jnp.full((1,), n, jnp.int32),
-    )
-    block_positions = n + jnp.arange(b, dtype=jnp.int32)[None]
-    return np.asarray(module.apply(params, jnp.asarray(inputs.block), block_positions, cache))[0]
+    proposer = DFlashProposer(DFlashDrafter(config), target=None, block_size=b)
+    state = proposer.init_state(1, n + b, jnp.float32)
+    taps = np.split(inputs.features, len(config.target_layer_ids), axis=-1)  # [1, n, D] each
+    for lo, hi in ((0, split), (split, n)) if split else ((0, n),):
+        state = proposer.observe(
+            params,
+            state,
+            None,  # the tokens themselves are not read: their features are
+            tuple(jnp.asarray(t[:, lo:hi]) for t in taps),
+            jnp.arange(lo, hi, dtype=jnp.int32)[None],
+            jnp.asarray([hi - lo], jnp.int32),
+        )
+    target_params = {"params": {"embed_tokens": {"weight": jnp.asarray(inputs.embedding)}}}
+    anchor = jnp.asarray([inputs.anchor], jnp.int32)
+    start = jnp.asarray([n], jnp.int32)
+    return np.asarray(proposer.draft_hidden(params, target_params, anchor, start, state))[0]
 
 
 def assert_same_draft(ours: np.ndarray, theirs: np.ndarray, inputs: Inputs):
@@ -174,7 +184,8 @@ def test_block_after_a_cropped_draft_cache_matches_the_reference(saved_drafters,
     path = saved_drafters[name, 8]
     config, _, _ = load_drafter_checkpoint(path, jnp.float32)
     inputs = Inputs(TARGETS[name], config, context_len=23, anchor=11, seed=5)
-    assert_same_draft(dflax_hidden(path, inputs), reference_hidden(path, inputs, split=17), inputs)
+    ours = dflax_hidden(path, inputs, split=17)
+    assert_same_draft(ours, reference_hidden(path, inputs, split=17), inputs)
 
 
 def test_the_reference_reads_the_saved_config(saved_drafters):
