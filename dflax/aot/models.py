@@ -22,7 +22,7 @@ from dflax.models.config import ModelConfig
 
 _CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
-# name -> (target, drafter): the configurations the README's compiled-memory table reports.
+# name -> (target, drafter): the configurations the compiled-memory table of docs/tpu-gpu.md reports.
 PRESETS = {
     "smollm2-135m": ("smollm2-135m", "shipped"),
     "gemma3-270m": ("gemma3-270m", "untrained"),
