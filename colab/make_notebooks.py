@@ -131,8 +131,9 @@ for r in results:
             """## Compare with plain decoding
 
 At temperature 0 the speculative tokens equal plain greedy decoding, token for token. Each method runs
-once to compile and once timed. (The shipped drafter is small and saw little data: on a CPU it is
-slower than plain decoding; see the README for why.)"""
+once to compile and once timed. (On a 2-core CPU the shipped drafter runs HumanEval about 2.5x faster
+than plain decoding with the command line's `--block-size auto`; this cell's trained block and few tokens
+show less; the README's Results table has the measured rows.)"""
         ),
         new_code_cell(
             """\
