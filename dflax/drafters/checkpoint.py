@@ -85,7 +85,7 @@ def _is_false(value) -> bool:
 
 # Config keys that change the drafter's math, which dflax does not implement, with the test for the value at
 # which they are a no-op. The reference reads each from dflash_config first, then from the top level.
-_MATH_KEYS = {
+MATH_KEYS = {
     "input_embedding_scale": _is_neutral_scale,  # scales the target embeddings of the block
     "output_multiplier": _is_neutral_scale,  # scales the draft logits
     "final_logit_softcapping": _is_neutral_softcap,  # tanh soft cap on the draft logits
@@ -100,7 +100,7 @@ def check_supported(data: dict) -> None:
     """Raises CheckpointError, naming the keys, when a drafter config.json asks for math dflax lacks.
 
     Refused: DFlash 2 drafters (architecture DFlash2DraftModel, or the candidate-selector / convolution keys
-    in dflash_config); keys in _MATH_KEYS away from their neutral value; drafter layers with sliding-window
+    in dflash_config); keys in MATH_KEYS away from their neutral value; drafter layers with sliding-window
     or causal attention (`layer_types` with "sliding_attention", `is_causal: true`), where dflax drafts a
     block with bidirectional attention over the whole context.
     """
@@ -113,7 +113,7 @@ def check_supported(data: dict) -> None:
             "dflax loads DFlash drafters only for now"
         )
     bad = []
-    for key, neutral in _MATH_KEYS.items():
+    for key, neutral in MATH_KEYS.items():
         value = dflash.get(key, data.get(key))
         if not neutral(value):
             bad.append(f"{key}={value!r}")
