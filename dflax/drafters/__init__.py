@@ -18,6 +18,9 @@ from dflax.drafters.dflash import (
     DraftSampling,
     init_drafter_params,
 )
+from dflax.drafters.dflash2 import DFlash2Config
+from dflax.drafters.dflash2_checkpoint import save_dflash2_drafter
+from dflax.drafters.dflash2_proposer import DFlash2Proposer, is_dflash2_dir, load_dflash2
 from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, diffuspec
 from dflax.drafters.lookup import LookupDrafter, prompt_lookup
 from dflax.drafters.shipped import SHIPPED_DRAFTERS, named_drafter_path, shipped_drafter_path
@@ -52,9 +55,9 @@ class Drafter:
     """
 
     name: str
-    config: DFlashConfig
+    config: DFlashConfig | DFlash2Config
     params: dict
-    proposer: DFlashProposer
+    proposer: DFlashProposer | DFlash2Proposer
     accept: tuple[float, ...] | None = None
     rank_accept: tuple[tuple[float, ...], ...] | None = None
     tree_commits: tuple[tuple[float, float], ...] | None = None
@@ -94,6 +97,9 @@ class Drafter:
     def save(self, path: str | Path, dtype: str = "float32") -> None:
         """Writes the drafter in the official DFlash layout (see dflax.drafters.checkpoint)."""
         target_layers = self.proposer.target.config.num_layers
+        if isinstance(self.config, DFlash2Config):
+            save_dflash2_drafter(path, self.config, self.params, target_layers, dtype)
+            return
         save_drafter(path, self.config, self.params, target_layers, dtype, self.proposer.draft_vocab)
 
 
@@ -104,7 +110,8 @@ def load_drafter(
     draft_sampling: DraftSampling = DraftSampling(),
     seed: int = 0,
 ) -> Drafter | DartDrafterBound:
-    """Loads a DFlash drafter, or a DART drafter from a DART directory, for a target.
+    """Loads a DFlash drafter (DFlash 2 from a DFlash 2 directory), or a DART drafter from a DART directory,
+    for a target.
 
     Args:
       name_or_path: a drafter directory (official z-lab/dflash layout or one dflax saved; a DART directory,
@@ -146,6 +153,9 @@ def load_drafter(
         if is_dart_dir(path):
             dart = load_dart(path, target, seed=seed)
             return dart if block_size is None else dart.with_block_size(block_size)
+        if is_dflash2_dir(path):  # chains through the candidate selector (dflax.drafters.dflash2_proposer)
+            config, params, proposer = load_dflash2(path, target, block_size, draft_sampling)
+            return Drafter(str(name_or_path), config, params, proposer)
         config, params, draft_vocab = load_drafter_checkpoint(path, dtype)
         accept, rank_accept = measured_acceptance(path), measured_rank_acceptance(path)
         tree_commits = measured_tree_commits(path)
