@@ -688,6 +688,10 @@ def test_warm_start_continues_from_an_exported_drafter(target, sequences, overfi
     assert resolve_drafter_dir("shipped", "smollm2-135m") == shipped_drafter_path("smollm2-135m")
 
 
+# The five taps of a 30-layer target the drafter's stages were trained with (the old default spread).
+FIVE_TAPS_OF_30 = (1, 8, 14, 21, 27)
+
+
 def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     recipe = TrainConfig.from_json(RECIPE)
     shape = (recipe.num_layers, recipe.block_size, recipe.loss_gamma, recipe.layer_kind)
@@ -701,7 +705,9 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     # more of stage 6's; 12 and 13: -stage12 and -stage13, the same recipe on the next package answers
     # and more of stage 6's; 14: -stage14-gpu, five epochs over every greedy answer on a GPU with the
     # features computed in the step; stages 7 and 9 were not shipped). The fields each stage records
-    # match, and any field added since holds the default that reproduces it.
+    # match, and any field added since holds the default that reproduces it. The stages recorded
+    # target_layer_ids null when the default was five taps whatever the drafter's depth; the recipes now
+    # name those taps (the default follows the reference's spread for the drafter's depth).
     record = json.loads((shipped_drafter_path("smollm2-135m") / "TRAINING.json").read_text())
     stages = [record]
     while "warm_start" in stages[0]:
@@ -714,7 +720,9 @@ def test_recipe_loads_and_unknown_keys_are_named(tmp_path):
     assert len(stages) <= len(recipes)
     for recipe_path, stage in zip(recipes, stages):
         committed = TrainConfig.from_json(recipe_path)
-        recorded = stage["train"]
+        recorded = dict(stage["train"])
+        if recorded.get("target_layer_ids", ()) is None:
+            recorded["target_layer_ids"] = list(FIVE_TAPS_OF_30)
         assert recorded == {k: v for k, v in committed.to_dict().items() if k in recorded}
         newer = set(committed.to_dict()) - set(recorded)
         assert all(getattr(committed, k) == getattr(TrainConfig(), k) for k in newer)
