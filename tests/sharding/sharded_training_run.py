@@ -25,6 +25,7 @@ from rich.console import Console
 import dflax
 from dflax.train.trainer import TrainConfig, _initial_state, _programs, batch_index, pad_sequences, train
 
+QUIET = Console(quiet=True)
 CONFIG = TrainConfig(
     target="tiny",
     num_layers=2,
@@ -76,7 +77,8 @@ def compiled_state_shards(target, seqs) -> dict:
     target's mesh receives them (the executable's input shardings)."""
     dflash = CONFIG.drafter_config(target)
     programs = _programs(dflash, target.module, CONFIG, CONFIG.steps, None, target.mesh)
-    state = programs.sharding.place_state(_initial_state(programs.module, programs.tx, CONFIG, target, None))
+    initial = _initial_state(programs.module, programs.tx, CONFIG, target, None, QUIET)
+    state = programs.sharding.place_state(initial)
     data = pad_sequences(seqs, CONFIG.max_seq_len)
     width = len(dflash.target_layer_ids) * target.config.hidden_size
     batch = data.take(batch_index(len(data), CONFIG.batch_size, CONFIG.seed, 0), _NoFeatures(width))
@@ -105,10 +107,9 @@ class _NoFeatures:
 
 def two_legs(target_first, target_second, seqs, run: Path) -> dict:
     """Steps 1-2 with the first target (stopped by SIGTERM), steps 3-4 resumed with the second."""
-    quiet = Console(quiet=True)
-    part = train(CONFIG, target_first, seqs[:16], seqs[16:], run, console=quiet, on_step=stop_at)
+    part = train(CONFIG, target_first, seqs[:16], seqs[16:], run, console=QUIET, on_step=stop_at)
     assert part.step == STOP_AT and part.interrupted == signal.SIGTERM, part
-    done = train(CONFIG, target_second, seqs[:16], seqs[16:], run, console=quiet)
+    done = train(CONFIG, target_second, seqs[:16], seqs[16:], run, console=QUIET)
     assert done.step == CONFIG.steps and done.interrupted is None
     assert done.log[0]["step"] == STOP_AT + 1  # resumed from the checkpoint, not started over
     return {"params_2": flat(part.params), "params_4": flat(done.params), "losses": losses(run)}
