@@ -39,19 +39,12 @@ from dflax.diffusion.adapted_drafter import (
 )
 from dflax.target import Target
 from dflax.train import objective
+from dflax.train.batches import batch_index, pad_sequences
+from dflax.train.checkpointing import StopFlag, checkpoint_manager, restore_state
 from dflax.train.diffusion_objective import diffusion_loss, make_windows
 from dflax.train.diffusion_recipe import DiffusionTrainConfig
-from dflax.train.trainer import (
-    TrainResult,
-    TrainState,
-    _checkpoint_manager,
-    _restore,
-    _StopFlag,
-    batch_index,
-    make_optimizer,
-    make_steps,
-    pad_sequences,
-)
+from dflax.train.steps import TrainState, make_optimizer, make_steps
+from dflax.train.trainer import TrainResult
 
 METRICS = "metrics.jsonl"
 REPORT = "TRAINING.json"
@@ -234,7 +227,7 @@ def train_diffusion(
     if not resume and ckpt_dir.exists():
         shutil.rmtree(ckpt_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    manager = _checkpoint_manager(ckpt_dir)
+    manager = checkpoint_manager(ckpt_dir)
     meta = {
         **{k: getattr(config, k) for k in _ORDER_FIELDS},
         "num_train": len(data),
@@ -242,7 +235,7 @@ def train_diffusion(
     }
     meta["source_layers"] = list(config.source_layers)
     if manager.latest_step() is not None:
-        state = _restore(manager, state, meta)
+        state = restore_state(manager, state, meta)
         console.print(f"resuming {ckpt_dir} at step {int(state.step)} of {total_steps}")
     elif (out_dir / METRICS).exists():
         (out_dir / METRICS).unlink()  # a fresh run: no records of an abandoned one
@@ -256,7 +249,7 @@ def train_diffusion(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     columns += (TextColumn("{task.fields[info]}"), TimeRemainingColumn())
     progress = Progress(*columns, console=console)
-    with _StopFlag() as stop, progress, (out_dir / METRICS).open("a") as log_file:
+    with StopFlag() as stop, progress, (out_dir / METRICS).open("a") as log_file:
 
         def record(entry: dict) -> None:
             log_file.write(json.dumps(entry) + "\n")

@@ -34,18 +34,13 @@ from dflax.drafters import SHIPPED
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, init_drafter_params
 from dflax.drafters.training_record import TRAINING_RECORD, recorded_recipe
 from dflax.target import Target, weights_fingerprint
+from dflax.train.batches import pad_sequences
+from dflax.train.config import FEATURE_DTYPES, TrainConfig
 from dflax.train.dataset import load_sequences
 from dflax.train.features import cache_features
 from dflax.train.recipe import build_recipe
-from dflax.train.trainer import (
-    FEATURE_DTYPES,
-    TrainConfig,
-    dflash_loss_fn,
-    dflash_taps,
-    feature_program,
-    pad_sequences,
-    validation_pass,
-)
+from dflax.train.steps import dflash_loss_fn, dflash_taps, feature_program
+from dflax.train.trainer import validation_pass
 from dflax.train.warm_start import resolve_drafter_dir, warm_start_params, warm_start_vocab
 
 # The anchors' seed for every drafter (a recipe's own seed would give each stage other anchors).

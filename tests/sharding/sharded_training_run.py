@@ -23,7 +23,10 @@ import numpy as np
 from rich.console import Console
 
 import dflax
-from dflax.train.trainer import TrainConfig, _initial_state, _programs, batch_index, pad_sequences, train
+from dflax.train.batches import batch_index, pad_sequences
+from dflax.train.config import TrainConfig
+from dflax.train.steps import programs_for
+from dflax.train.trainer import _initial_state, train
 
 QUIET = Console(quiet=True)
 CONFIG = TrainConfig(
@@ -76,7 +79,7 @@ def compiled_state_shards(target, seqs) -> dict:
     """Maps "params:<path>" and "mu:<path>" to [shard shape, full shape] as the compiled train step of the
     target's mesh receives them (the executable's input shardings)."""
     dflash = CONFIG.drafter_config(target)
-    programs = _programs(dflash, target.module, CONFIG, CONFIG.steps, None, target.mesh)
+    programs = programs_for(dflash, target.module, CONFIG, CONFIG.steps, None, target.mesh)
     initial = _initial_state(programs.module, programs.tx, CONFIG, target, None, QUIET)
     state = programs.sharding.place_state(initial)
     data = pad_sequences(seqs, CONFIG.max_seq_len)

@@ -34,9 +34,11 @@ from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.models.transformer import Transformer
 from dflax.target import weights_fingerprint
 from dflax.train import objective, trainer
+from dflax.train.batches import batch_index, pad_sequences
 from dflax.train.features import DeviceFeatures, FeatureCache, cache_features
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD
-from dflax.train.trainer import TrainConfig, batch_index, feature_program, pad_sequences, train
+from dflax.train.steps import feature_program
+from dflax.train.trainer import TrainConfig, train
 from dflax.train.tree_acceptance import TREE_NODES
 from dflax.train.warm_start import resolve_drafter_dir, warm_start_params
 
