@@ -9,410 +9,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dflax import projection
+from dflax.bench.runners import diffuspec_runs, run_auto, run_dflax, run_hf, with_refills
+from dflax.bench.summary import add_projection, median_round, summarize
 from dflax.cost_curve import COST_CURVE_SIZES, measure_cost_curve
-from dflax.decoding.sampling import SamplingParams
-from dflax.decoding.shared_prefix import share_groups
 from dflax.divergence import first_differences
 from dflax.drafters.checkpoint import load_drafter_checkpoint
 from dflax.drafters.dflash import DRAFT_SAMPLING_MODES
 from dflax.generation import (
-    cache_slots,
-    can_share_prefix,
     encode_prompt,
     fit_to_context,
-    generate_ids,
-    prompt_bucket,
 )
 from dflax.prompts import load_prompts, with_system_prompt
 from dflax.roofline import machine_facts, measure_roofline, step_floor_s
-from dflax.target import Target, load_target
+from dflax.target import load_target
 
 BENCH_METHODS = ("ar", "dflash", "dart", "lookup", "diffuspec", "hf", "official")
 AUTO = "auto"  # a block size chosen by the cost model (dflax.decoding.block_size)
-
-
-def _batches(items: list, size: int) -> list[list]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def _prefix_kv_bytes(target: Target, prompt_ids, shared_prefix: str) -> int:
-    """Bytes of target KV cache that the batch's common prompt prefixes (`share_groups`) take: stored
-    once per group with shared_prefix="auto", once per row with "none" (layers x 2 x K x H x itemsize
-    per token)."""
-    config = target.config
-    itemsize = np.dtype(target.cache_dtype).itemsize
-    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
-    once = shared_prefix == "auto" and can_share_prefix(target)
-    return per_token * sum((1 if once else len(g.rows)) * g.length for g in share_groups(prompt_ids))
-
-
-def _tallies(results) -> dict[str, Any]:
-    """What a group of results (a batch, or a continuous run) adds up to: decoded tokens (after each first
-    one), verify steps, tokens committed and the accepted-length histogram."""
-    return {
-        "rows": len(results),
-        "decode_tokens": sum(len(r.tokens) - 1 for r in results),
-        "steps": sum(r.stats["steps"] for r in results),
-        "committed": sum(r.stats["tau"] * r.stats["steps"] for r in results),
-        "accept_hist": np.sum([r.stats["accept_hist"] for r in results], axis=0).tolist(),
-    }
-
-
-def _run_dflax(
-    target: Target,
-    prompt_ids,
-    max_new_tokens,
-    temperature,
-    batch_size,
-    seed,
-    progress,
-    drafter=None,
-    shared_prefix="none",
-):
-    sampling = SamplingParams.make(temperature)
-    batches = _batches(list(range(len(prompt_ids))), batch_size)
-
-    def run(idx, warmup=False):
-        return generate_ids(
-            target,
-            [prompt_ids[i] for i in idx],
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            row_seeds=[seed + i for i in idx],
-            batch_size=batch_size,
-            drafter=drafter,
-            warmup=warmup,
-            shared_prefix=shared_prefix,
-        )
-
-    for idx in batches:  # compile every shape first
-        run(idx, warmup=True)
-    tokens, per_batch = [None] * len(prompt_ids), []
-    for idx in batches:
-        results = run(idx)
-        for i, r in zip(idx, results):
-            tokens[i] = r.tokens
-        per_batch.append(
-            {
-                **_tallies(results),
-                "prompt_tokens": sum(len(prompt_ids[i]) for i in idx),
-                "prefill_s": results[0].stats["prefill_s"],
-                "decode_s": results[0].stats["decode_s"],
-                "loop_steps": max(r.stats["steps"] for r in results),  # decode-loop iterations
-                "kv_cache_bytes": results[0].stats["kv_cache_bytes"],
-                "prefix_kv_bytes": _prefix_kv_bytes(target, [prompt_ids[i] for i in idx], shared_prefix),
-            }
-        )
-        progress(len(idx))
-    return tokens, per_batch
-
-
-def _run_continuous(
-    target: Target,
-    prompt_ids,
-    max_new_tokens,
-    temperature,
-    batch_size,
-    seed,
-    progress,
-    drafter=None,
-    refill_every=16,
-):
-    """Continuous batching over the whole prompt set: every `refill_every` decode steps, finished rows
-    take the next prompts (dflax.continuous_batching). Refills prefill a varying number of rows, so the
-    warm-up is one untimed run of the same prompts: it compiles every shape the timed run meets."""
-    from dflax.continuous_batching import generate_continuous
-
-    def run(timing=None, on_result=None):
-        return generate_continuous(
-            target,
-            prompt_ids,
-            max_new_tokens=max_new_tokens,
-            sampling=SamplingParams.make(temperature),
-            row_seeds=[seed + i for i in range(len(prompt_ids))],
-            batch_size=batch_size,
-            refill_every=refill_every,
-            drafter=drafter,
-            on_result=on_result,
-            timing=timing,
-        )
-
-    run()
-    timing = {}
-    results = run(timing, on_result=lambda i, r: progress(1))
-    per_batch = [
-        {
-            **_tallies(results),
-            "prompt_tokens": sum(len(p) for p in prompt_ids),
-            "prefill_s": timing["prefill_s"],
-            "decode_s": timing["decode_s"],
-            "loop_steps": timing["loop_steps"],
-            "refills": timing["refills"],
-        }
-    ]
-    return [r.tokens for r in results], per_batch
-
-
-def _run_auto(
-    target: Target,
-    prompt_ids,
-    max_new_tokens,
-    temperature,
-    batch_size,
-    seed,
-    progress,
-    drafter,
-    context,
-    trees,
-    shared_prefix="none",
-):
-    """DFlash or DART at the block size (or, with `trees`, the tree budget) the cost model picks for this
-    batch size, or plain decoding when nothing pays; after the first prompts (`probe_size`), chosen again
-    with the acceptance those prompts showed (`scaled_to_probe`)."""
-    from dflax.cost_curve import auto_block_size, probe_size, scaled_to_probe
-
-    rows = min(batch_size, len(prompt_ids))
-    median = sorted(len(p) for p in prompt_ids)[len(prompt_ids) // 2]
-    # Bench decodes static batches: with several rows, each batch waits for its slowest row.
-    choose = functools.partial(
-        auto_block_size,
-        target,
-        rows=rows,
-        context=context,
-        trees=trees,
-        slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
-        static_tokens=max_new_tokens,
-        sampling=SamplingParams.make(temperature),  # as `_run_dflax` decodes
-    )
-    run = functools.partial(
-        _run_dflax, target, max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
-        progress=progress, shared_prefix=shared_prefix,
-    )  # fmt: skip
-    chosen, choice = choose(drafter)
-    probe = probe_size(rows, len(prompt_ids))
-    probed = {}
-    if chosen is None or not probe:  # plain decoding measures no acceptance
-        tokens, per_batch = run(prompt_ids, seed=seed, drafter=chosen)
-    else:
-        tokens, per_batch = run(prompt_ids[:probe], seed=seed, drafter=chosen)
-        hist = np.sum([b["accept_hist"] for b in per_batch], axis=0)
-        measured, scale = scaled_to_probe(drafter, hist, choice.block_size, choice.tree_budget)
-        probed = {
-            "prompts": probe,
-            "block_size": choice.block_size,
-            "tree_budget": choice.tree_budget,
-            "acceptance_scale": scale,
-        }
-        chosen, choice = choose(measured)
-        rest, rest_batches = run(prompt_ids[probe:], seed=seed + probe, drafter=chosen)
-        tokens, per_batch = tokens + rest, per_batch + rest_batches
-    width = max(len(b["accept_hist"]) for b in per_batch)
-    for b in per_batch:
-        b["accept_hist"] = list(b["accept_hist"]) + [0] * (width - len(b["accept_hist"]))
-        b["block_size"] = choice.block_size
-        b["tree_budget"] = choice.tree_budget
-        b["auto_predicted"] = {k: {"tau": t, "speedup": x} for k, (t, x) in choice.predicted.items()}
-        b["auto_predicted_trees"] = {
-            n: {"tau": t, "speedup": x} for n, (t, x) in choice.predicted_trees.items()
-        }
-        if probed:
-            b["auto_probe"] = probed
-    return tokens, per_batch
-
-
-def _run_hf(target: Target, prompt_ids, max_new_tokens, temperature, batch_size, seed, progress):
-    """HF transformers (PyTorch, CPU) generate on the same weights, in a child process (see hf_baseline)."""
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        raise ImportError("--method hf needs PyTorch: pip install torch==2.13.0 accelerate (CPU wheel)")
-    from dflax.checkpoints.registry import resolve
-
-    kind, path = resolve(target.name)
-    batches = _batches(list(range(len(prompt_ids))), batch_size)
-    eos = list(target.eos_ids)
-    request = {
-        "kind": kind,
-        "path": str(path),
-        "batches": [[prompt_ids[i] for i in idx] for idx in batches],
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "eos_ids": eos,
-        "pad_id": target.tokenizer.pad_id if target.tokenizer.pad_id is not None else eos[0],
-        "seed": seed,
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps(request))
-        subprocess.run(
-            [sys.executable, "-m", "dflax.hf_baseline", str(req), str(res)],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        outputs = json.loads(res.read_text())
-    tokens, per_batch = [None] * len(prompt_ids), []
-    for idx, out in zip(batches, outputs):
-        for i, t in zip(idx, out["tokens"]):
-            tokens[i] = t
-        steps = max(len(t) for t in out["tokens"]) - 1
-        per_batch.append(
-            {
-                "rows": len(idx),
-                "prompt_tokens": sum(len(prompt_ids[i]) for i in idx),
-                "prefill_s": out["prefill_s"],
-                "decode_s": out["decode_s"],
-                "decode_tokens": sum(len(t) - 1 for t in out["tokens"]),
-                "steps": steps * len(idx),
-                "committed": steps * len(idx),
-            }
-        )
-        progress(len(idx))
-    return tokens, per_batch
-
-
-def _summary(method: str, batch_size: int, per_batch: list[dict[str, Any]]) -> dict[str, Any]:
-    decode_s = sum(b["decode_s"] for b in per_batch)
-    decode_tokens = sum(b["decode_tokens"] for b in per_batch)
-    steps = sum(b["steps"] for b in per_batch)
-    loop_steps = sum(b.get("loop_steps", 0) for b in per_batch)
-    return {
-        "method": method,
-        "batch_size": batch_size,
-        "new_tokens": decode_tokens + sum(b["rows"] for b in per_batch),
-        "decode_tokens": decode_tokens,
-        "tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
-        "median_batch_tokens_per_s": statistics.median(
-            b["decode_tokens"] / b["decode_s"] for b in per_batch if b["decode_s"] > 0
-        ),
-        "decode_s": decode_s,
-        "prefill_s": sum(b["prefill_s"] for b in per_batch),
-        "wall_tokens_per_s": (decode_tokens + sum(b["rows"] for b in per_batch))
-        / (decode_s + sum(b["prefill_s"] for b in per_batch)),
-        "median_prefill_s": statistics.median(b["prefill_s"] for b in per_batch),
-        "prefill_tokens_per_s": sum(b["prompt_tokens"] for b in per_batch)
-        / sum(b["prefill_s"] for b in per_batch),
-        "step_s": decode_s / loop_steps if loop_steps else None,  # one decode-loop iteration (dflax)
-        "tau": sum(b["committed"] for b in per_batch) / steps if steps else 1.0,
-        "accept_hist": np.sum([b["accept_hist"] for b in per_batch], axis=0).tolist()
-        if "accept_hist" in per_batch[0]
-        else None,
-        **{
-            k: per_batch[0][k]
-            for k in (
-                "block_size",
-                "tree_budget",
-                "auto_predicted",
-                "auto_predicted_trees",
-                "auto_probe",
-                "refills",
-            )
-            if k in per_batch[0]
-        },
-        **{
-            k: sum(b[k] for b in per_batch)  # summed over batches
-            for k in ("kv_cache_bytes", "prefix_kv_bytes")
-            if k in per_batch[0]
-        },
-    }
-
-
-def _median_round(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """One method's result over rounds: the round of median decode tokens/s (the lower one of the middle
-    two for an even count), with every round's tokens/s in run order under `round_tokens_per_s`."""
-    if len(summaries) == 1:
-        return summaries[0]
-    ranked = sorted(summaries, key=lambda s: s["tokens_per_s"])
-    return {**ranked[(len(ranked) - 1) // 2], "round_tokens_per_s": [s["tokens_per_s"] for s in summaries]}
-
-
-def _weights_read(params) -> int:
-    """Parameters one forward reads: every leaf, less an embedding that is only gathered (untied head)."""
-    sizes = {
-        jax.tree_util.keystr(p): leaf.size for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-    if any("lm_head" in name for name in sizes):
-        return sum(v for name, v in sizes.items() if "embed_tokens" not in name)
-    return sum(sizes.values())
-
-
-def _add_projection(results: list[dict], target: Target, drafter, n_prompts: int, dart=None) -> None:
-    """Adds each speculative result's projected speedup on accelerators (see dflax.projection): a step
-    verifies the block (or the tree's nodes and root) and runs the DFlash or DART drafter (lookup runs
-    none)."""
-    target_params = _weights_read(target.params)
-    drafter_params = 0
-    if drafter is not None:
-        vocab = drafter.proposer.draft_vocab
-        head_rows = len(vocab) if vocab is not None else target.config.vocab_size
-        drafter_params = _weights_read(drafter.params) + head_rows * target.config.hidden_size
-    dart_params = _weights_read(dart.params.drafter) if dart is not None else 0  # its own LM head included
-    for r in results:
-        if r.get("block_size") and r["method"] != "official":  # dflax's own steps only
-            rows = min(r["batch_size"], n_prompts)
-            verified = r["tree_budget"] + 1 if r.get("tree_budget") else r["block_size"]
-            read = {"dflash": drafter_params, "dart": dart_params}.get(r["method"].split("-")[0], 0)
-            r["projected_speedup"] = {
-                key: projection.projected_speedup(chip, target_params, read, r["tau"], verified, rows)
-                for key, chip in projection.ACCELERATORS.items()
-            }
-
-
-def _with_refills(runners: dict, settings: dict, refill_every: list[int], mesh: str | None) -> dict:
-    """The runners once per refill setting: 0 keeps the static-batch runner, k > 0 adds its continuous
-    batching twin "<name>-refill<k>" (dflax's fixed-block-size methods only)."""
-    if any(k < 0 for k in refill_every):
-        raise ValueError(f"--refill-every {refill_every}: give integers >= 0 (0 = static batches)")
-    out = {}
-    for name, runner in runners.items():
-        settings[name]["refill_every"] = 0
-        if 0 in refill_every:
-            out[name] = runner
-        for k in (k for k in refill_every if k > 0):
-            if mesh:
-                raise ValueError("--refill-every does not run on a mesh yet; leave it out with --mesh")
-            if runner is not _run_dflax and getattr(runner, "func", None) is not _run_dflax:
-                raise ValueError(
-                    f"--refill-every applies to dflax's methods at fixed block sizes, not {name!r}: "
-                    "give --block-size N for dflash, or leave out hf and official"
-                )
-            keywords = runner.keywords if isinstance(runner, functools.partial) else {}
-            if keywords.get("shared_prefix", "none") != "none":
-                raise ValueError("--refill-every and --shared-prefix auto do not combine yet; run them apart")
-            drafter = keywords.get("drafter")
-            out[f"{name}-refill{k}"] = functools.partial(_run_continuous, drafter=drafter, refill_every=k)
-            settings[f"{name}-refill{k}"] = {**settings[name], "refill_every": k}
-    return out
-
-
-def _diffuspec_runs(drafter, target: Target, windows, refine_steps: int, cps_modes):
-    """(name, DiffuSpec drafter, settings) per --window setting and CPS mode, the diffusion LM loaded once."""
-    from dflax.drafters.diffuspec_loader import WindowSetting, load_diffuspec
-
-    parsed = [WindowSetting.parse(w) for w in windows or ["auto"]]
-    base = load_diffuspec(drafter, target, parsed[0], refine_steps, True)
-    runs = []
-    for setting in parsed:
-        for cps in cps_modes or [True]:
-            name = "diffuspec" + (f"-w{setting.label}" if len(parsed) > 1 else "") + ("" if cps else "-nocps")
-            bounds = setting.adl_bounds
-            drafter_at = base.with_settings(setting.window, bounds, cps)
-            info = {"block_size": None, "tree_budget": 0, "window": setting.label, "cps": cps}
-            runs.append((name, drafter_at, {**info, "refine_steps": refine_steps}))
-    return runs
 
 
 def run_bench(
@@ -488,7 +107,7 @@ def run_bench(
         occurred before (0 = always); None = `DEFAULT_MIN_MATCH`. Lookup results record it as min_match.
       rounds_per_method: run every method this many times, round by round (ar, dflash, ar, dflash, ...),
         so that a slow drift of the machine's speed reaches every method alike; a result is then its round
-        of median tokens/s (see `_median_round`), and outputs and lossless_match are the first round's.
+        of median tokens/s (see `median_round`), and outputs and lossless_match are the first round's.
 
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "machine" (CPU model
@@ -532,7 +151,7 @@ def run_bench(
     context = int(np.median([len(p) for p in prompt_ids])) + max_new_tokens // 2
     for method in methods:
         if method in ("ar", "hf"):
-            runners[method] = _run_hf if method == "hf" else _run_dflax
+            runners[method] = run_hf if method == "hf" else run_dflax
             settings[method] = {"block_size": None, "tree_budget": None}
             continue
         if method == "official":  # the reference DFlash with the drafter the dflash rows run
@@ -549,10 +168,10 @@ def run_bench(
             settings[method]["tree_budget"] = None
             continue
         if method == "diffuspec":
-            for name, diffuspec, setting in _diffuspec_runs(
+            for name, diffuspec, setting in diffuspec_runs(
                 drafter, loaded, diffuspec_windows, refine_steps, cps_modes
             ):
-                runners[name] = functools.partial(_run_dflax, drafter=diffuspec)
+                runners[name] = functools.partial(run_dflax, drafter=diffuspec)
                 settings[name] = setting
             continue
         from dflax.drafters import SHIPPED, DraftSampling, load_drafter, prompt_lookup
@@ -604,7 +223,7 @@ def run_bench(
                 name += f"-t{n}" if len(budgets) > 1 else ""
                 if b == AUTO:  # the block size is chosen per batch size; the run reports it
                     runners[name] = functools.partial(
-                        _run_auto, drafter=method_drafter, context=context, trees=tree_budgets is None
+                        run_auto, drafter=method_drafter, context=context, trees=tree_budgets is None
                     )
                     settings[name] = {}  # the run reports the chosen block size and tree budget
                     continue
@@ -613,7 +232,7 @@ def run_bench(
                     row_sampling = DraftSampling.for_target(draft_sampling, temperature, tree=bool(n))
                     row_drafter = row_drafter.with_draft_sampling(row_sampling)
                 row_drafter = row_drafter.with_tree_budget(n)
-                runners[name] = functools.partial(_run_dflax, drafter=row_drafter)
+                runners[name] = functools.partial(run_dflax, drafter=row_drafter)
                 settings[name] = {"block_size": b, "tree_budget": n}
                 if method == "dflash":
                     settings[name]["draft_sampling"] = row_drafter.proposer.draft_sampling.mode
@@ -627,7 +246,7 @@ def run_bench(
             settings[f"{name}-shared"] = settings[name]
             if "none" not in shared_prefix:
                 del runners[name]
-    runners = _with_refills(runners, settings, refill_every or [0], mesh)
+    runners = with_refills(runners, settings, refill_every or [0], mesh)
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     roofline = measure_roofline(loaded.params)
     outputs, results = {}, []
@@ -650,9 +269,9 @@ def run_bench(
                         lambda k, task=task: progress.advance(task, k),
                     )
                     outputs.setdefault((method, rows), tokens)
-                    rounds[method].append(_summary(method, rows, per_batch))
+                    rounds[method].append(summarize(method, rows, per_batch))
             for method, summaries in rounds.items():
-                result = {**_median_round(summaries), **settings[method]}
+                result = {**median_round(summaries), **settings[method]}
                 if result["step_s"]:
                     result["step_vs_floor"] = result["step_s"] / step_floor_s(
                         roofline, min(rows, len(prompt_ids))
@@ -672,7 +291,7 @@ def run_bench(
             reference, got = outputs["ar", r["batch_size"]], outputs[r["method"], r["batch_size"]]
             r["lossless_match"] = float(np.mean([a == b for a, b in zip(reference, got)]))
             r["first_differences"] = first_differences(loaded, prompt_ids, reference, got)
-    _add_projection(results, loaded, spec, len(prompt_ids), dart)
+    add_projection(results, loaded, spec, len(prompt_ids), dart)
     report = {
         "target": target,
         "prompts": prompts,
