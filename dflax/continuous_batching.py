@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import DecodeState, Proposer, decode_step
 from dflax.decoding.sampling import SamplingParams
 from dflax.generation import (
@@ -38,6 +37,7 @@ from dflax.generation import (
     result_of_row,
 )
 from dflax.host_memory import configure_malloc, release_free_memory
+from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
 from dflax.target import Target
 

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import Proposer, decode_loop, prefill
 from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.shared_prefix import PrefixGroup, prefill_shared, share_groups
+from dflax.models.cache import KVCache
 from dflax.sharding import ShardingRules
 from dflax.sharding.multihost import to_host
 from dflax.sharding.placement import (

@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflax.checkpoints.registry import resolve
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import decode_step, prefill
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import Drafter
 from dflax.drafters.checkpoint import load_drafter_checkpoint
 from dflax.drafters.official import official_format_problems
 from dflax.generation import cache_slots, prompt_bucket
+from dflax.models.cache import KVCache
 from dflax.target import Target
 
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import dflax
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import prefill
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import load_drafter
 from dflax.generation import generate_ids
+from dflax.models.cache import KVCache
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22]]
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import decode_loop, prefill
 from dflax.decoding.sampling import SamplingParams
+from dflax.models.cache import KVCache
 from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
 

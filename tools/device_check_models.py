@@ -406,8 +406,8 @@ def tree_verify_s(target, nodes: int, context: int, slots: int, reps: int) -> fl
     import jax
     import jax.numpy as jnp
 
-    from dflax.decoding.cache import KVCache
     from dflax.decoding.tree import ancestor_mask, depths
+    from dflax.models.cache import KVCache
     from dflax.models.transformer import Transformer
 
     module = target.module

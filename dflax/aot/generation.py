@@ -18,10 +18,10 @@ from jax.sharding import Mesh
 from dflax.aot.models import ModelPlan
 from dflax.aot.topology import on_device
 from dflax.checkpoints.params import abstract_params
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import decode_loop, decode_step, prefill
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, DraftSampling, init_drafter_params
+from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
 from dflax.sharding import ShardingRules, mesh_shape
 from dflax.sharding.placement import sharded_prefill, sharded_state_step

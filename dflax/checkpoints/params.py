@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflax.decoding.cache import KVCache
+from dflax.models.cache import KVCache
 from dflax.models.config import ModelConfig
 from dflax.models.transformer import Transformer
 

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflax.decoding.acceptance import Acceptance, accept_block, accept_delta
-from dflax.decoding.cache import KVCache, write_rows
 from dflax.decoding.sampling import SamplingParams, sample, split_keys
 from dflax.decoding.tree import (
     DraftTree,
@@ -35,6 +34,7 @@ from dflax.decoding.tree import (
     gather_path,
     with_root,
 )
+from dflax.models.cache import KVCache, write_rows
 from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
 

@@ -20,9 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflax.decoding.cache import KVCache, SharedPrefix
 from dflax.decoding.decode import DecodeState, Proposer, first_state
 from dflax.decoding.sampling import SamplingParams
+from dflax.models.cache import KVCache, SharedPrefix
 from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
 from pallas_kernels.shared_prefix import GroupLayout

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflax.decoding.acceptance import Acceptance, commit_tokens
-from dflax.decoding.cache import KVCache, write_kv
 from dflax.decoding.sampling import SamplingParams, sample
+from dflax.models.cache import KVCache, write_kv
 
 
 @struct.dataclass

@@ -27,8 +27,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflax.decoding.cache import KVCache
 from dflax.decoding.sampling import NEG_INF
+from dflax.models.cache import KVCache
 from dflax.models.config import ModelConfig
 from dflax.models.layers import RMSNorm
 from dflax.models.transformer import DecoderLayer

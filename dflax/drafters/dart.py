@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dflax.decoding.cache import KVCache, write_kv
 from dflax.decoding.sampling import NEG_INF, first_argmax
 from dflax.decoding.tree import DraftTree
 from dflax.drafters.dart_tree import BeamSettings, NgramPrior, dart_tree
+from dflax.models.cache import KVCache, write_kv
 from dflax.models.config import ModelConfig
 from dflax.models.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
 from dflax.models.transformer import Transformer

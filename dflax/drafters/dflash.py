@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflax.decoding.cache import KVCache, write_kv
 from dflax.decoding.sampling import NEG_INF, SamplingParams, categorical, first_argmax, target_log_probs
 from dflax.decoding.tree import DraftTree
 from dflax.drafters.best_first import best_first_tree
+from dflax.models.cache import KVCache, write_kv
 from dflax.models.config import ModelConfig
 from dflax.models.layers import Linear, RMSNorm
 from dflax.models.transformer import DecoderLayer, Transformer

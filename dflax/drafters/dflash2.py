@@ -31,10 +31,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflax.decoding.cache import KVCache
 from dflax.decoding.sampling import first_argmax
 from dflax.drafters.dflash import DFlashConfig
 from dflax.models.attention import Attention
+from dflax.models.cache import KVCache
 from dflax.models.layers import GatedMLP, Linear, RMSNorm
 from dflax.models.transformer import attention_config
 

@@ -26,11 +26,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dflax.decoding.cache import KVCache, write_kv
 from dflax.decoding.sampling import NEG_INF
 from dflax.drafters.dflash import DraftSampling
 from dflax.drafters.dflash2 import DFlash2Config, DFlash2Drafter
 from dflax.drafters.dflash2_checkpoint import is_dflash2_config, load_dflash2_checkpoint
+from dflax.models.cache import KVCache, write_kv
 from dflax.models.transformer import Transformer
 from dflax.sharding.embedding import take_rows
 

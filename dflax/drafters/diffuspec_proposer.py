@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflax.decoding.cache import write_rows
 from dflax.decoding.sampling import first_argmax
 from dflax.diffusion.adl import ADL_MAX, ADL_MIN, AdlSettings, AdlState, next_draft_length, update
 from dflax.diffusion.cps import CPS_BEAM_WIDTH, CPS_NGRAM_WEIGHT, cps_path
@@ -37,6 +36,7 @@ from dflax.diffusion.protocol import DiffusionLM
 from dflax.diffusion.refine import window_log_probs
 from dflax.drafters.dart_tree import NgramPrior
 from dflax.drafters.ngram import NgramTable
+from dflax.models.cache import write_rows
 
 NO_DRAFT_PAST_K = -1
 NO_DRAFT_AFTER_EOS = -2

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflax.decoding.cache import write_rows
 from dflax.decoding.tree import DraftTree
+from dflax.models.cache import write_rows
 
 NGRAM_SIZES = (3, 2, 1)
 LOOKUP_BLOCK_SIZE = 8  # the last token + 7 drafts (HF's prompt_lookup_num_tokens defaults to 10 drafts)

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from dflax.cpu_kernels.tree_attention import cpu_tree_attention, cpu_tree_attention_applies
-from dflax.decoding.cache import SharedPrefix, write_kv
 from dflax.models.block_attention import anchored_block_attention
+from dflax.models.cache import SharedPrefix, write_kv
 from dflax.models.config import RopeScaling
 from dflax.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 from dflax.models.packing import Packing

@@ -11,8 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflax.decoding.cache import KVCache, SharedPrefix
 from dflax.models.attention import Attention, AttentionConfig
+from dflax.models.cache import KVCache, SharedPrefix
 from dflax.models.config import ModelConfig
 from dflax.models.layers import GatedMLP, Linear, RMSNorm, dot_float32
 from dflax.models.packing import Packing

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import decode_loop, prefill
+from dflax.models.cache import KVCache
 from dflax.models.config import ModelConfig
 from dflax.sharding.mesh import mesh_shape
 from dflax.sharding.rules import ShardingRules

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflax.decoding.cache import KVCache
 from dflax.diffusion.adapted_drafter import AdaptedDrafter, AdaptedLayers
+from dflax.models.cache import KVCache
 from dflax.train import objective
 
 

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflax.decoding.cache import KVCache
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer
 from dflax.drafters.draft_vocab import vocab_index
+from dflax.models.cache import KVCache
 from dflax.models.packing import Packing
 from dflax.models.transformer import Transformer
 from dflax.train.tree_acceptance import TREE_NODES, tree_accepted_drafts

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import pytest
 
 import dflax
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import decode_loop, prefill
 from dflax.decoding.sampling import SamplingParams
+from dflax.models.cache import KVCache
 
 BATCH, SLOTS, PROMPT = 3, 328, 16  # 328 slots: a shape no other array of the step has
 

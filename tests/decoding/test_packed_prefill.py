@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import dflax
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import prefill
 from dflax.decoding.sampling import SamplingParams
 from dflax.generation import packed_bucket
+from dflax.models.cache import KVCache
 from dflax.models.packing import Packing
 
 LENGTHS = [45, 1, 60, 7]  # a one-token prompt; rows inside and across the pack's blocks of 64

@@ -25,11 +25,11 @@ from toy_target import TV_BOUND, compare, exact_joint, make_toy, sample_outcomes
 
 import dflax
 from dflax.decoding import decode
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import decode_step, prefill
 from dflax.decoding.sampling import SamplingParams, sample, split_keys
 from dflax.decoding.tree import DraftTree, accept_tree, ancestor_mask, depths, first_matching_child, walk
 from dflax.drafters import load_drafter
+from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40]]

@@ -13,7 +13,6 @@ from rich.console import Console
 
 import dflax
 from dflax.checkpoints.params import CheckpointError
-from dflax.decoding.cache import KVCache
 from dflax.diffusion.adapted_checkpoint import (
     is_adapted_drafter_dir,
     load_adapted_drafter,
@@ -28,6 +27,7 @@ from dflax.diffusion.adapted_drafter import (
 )
 from dflax.drafters.shipped import shipped_diffusion_drafter_path
 from dflax.generation import encode_prompt
+from dflax.models.cache import KVCache
 from dflax.train import diffusion_objective, objective
 from dflax.train.diffusion_recipe import DiffusionTrainConfig, is_diffusion_recipe
 from dflax.train.diffusion_trainer import train_diffusion

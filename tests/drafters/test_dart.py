@@ -26,7 +26,6 @@ from greedy_decoding import greedy
 
 import dflax
 from dflax.checkpoints.params import CheckpointError
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import prefill
 from dflax.decoding.sampling import SamplingParams, first_argmax
 from dflax.decoding.tree import ancestor_mask, depths, with_root
@@ -35,6 +34,7 @@ from dflax.drafters.dart import DartDrafter
 from dflax.drafters.dart_loader import load_dart
 from dflax.drafters.dart_tree import BeamSettings, NgramPrior, dart_tree, ngram_probability
 from dflax.drafters.ngram import build_ngram_table
+from dflax.models.cache import KVCache
 from dflax.train.dart_objective import dart_hidden
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40]]

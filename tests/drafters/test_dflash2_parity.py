@@ -31,7 +31,6 @@ from safetensors.numpy import load_file, save_file
 from transformers import Qwen3Config
 
 from dflax.checkpoints.params import CheckpointError
-from dflax.decoding.cache import KVCache, write_kv
 from dflax.drafters.checkpoint import config_from_json, load_drafter_checkpoint
 from dflax.drafters.dflash import DFlashConfig
 from dflax.drafters.dflash2 import DFlash2Config, DFlash2Drafter, init_dflash2_params
@@ -41,6 +40,7 @@ from dflax.drafters.dflash2_checkpoint import (
     load_dflash2_checkpoint,
     save_dflash2_drafter,
 )
+from dflax.models.cache import KVCache, write_kv
 from dflax.models.config import ModelConfig
 
 ATOL = 1e-4

@@ -16,10 +16,10 @@ import pytest
 from greedy_decoding import greedy
 
 import dflax
-from dflax.decoding.cache import KVCache
 from dflax.decoding.sampling import SamplingParams
 from dflax.divergence import first_differences
 from dflax.drafters import load_drafter
+from dflax.models.cache import KVCache
 
 # Top-2 logit gap below which a greedy divergence is a numerical tie, by the target's dtype. bf16: a few
 # ulps (2^-7 relative) of logits of magnitude 1 to 4, where a block and a single token round differently.

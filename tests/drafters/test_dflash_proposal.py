@@ -20,10 +20,10 @@ from sampling_definition import target_probs
 from scipy import stats
 
 import dflax
-from dflax.decoding.cache import KVCache
 from dflax.decoding.decode import prefill
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import DraftSampling, load_drafter
+from dflax.models.cache import KVCache
 
 DRAFT_TEMPERATURE = 0.6
 NUM_DRAWS = 20000

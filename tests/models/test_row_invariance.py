@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflax.decoding.cache import KVCache
+from dflax.models.cache import KVCache
 from dflax.models.config import ModelConfig
 from dflax.models.layers import RMSNorm, row_sum
 from dflax.models.transformer import Transformer

@@ -9,8 +9,8 @@ import pytest
 from rich.console import Console
 
 import dflax
-from dflax.decoding.cache import KVCache
 from dflax.drafters.dflash import DFlashConfig, DFlashDrafter, init_drafter_params
+from dflax.models.cache import KVCache
 from dflax.train.target_init import check_copyable, init_from_target
 from dflax.train.trainer import TrainConfig, train
 

@@ -27,10 +27,10 @@ from typer.testing import CliRunner
 
 import dflax
 from dflax.cli import app
-from dflax.decoding.cache import KVCache
 from dflax.drafters import load_drafter, measured_acceptance, shipped_drafter_path
 from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, init_drafter_params
 from dflax.drafters.draft_vocab import frequent_tokens
+from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
 from dflax.target import weights_fingerprint
 from dflax.train import objective, trainer
