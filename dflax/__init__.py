@@ -10,7 +10,6 @@ Public API:
   enable_compilation_cache()             -> keep compiled programs on disk across runs
 """
 
-from dflax.checkpoints.model_files import enable_compilation_cache
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import (
     DartDrafterBound,
@@ -23,6 +22,7 @@ from dflax.drafters import (
 )
 from dflax.generation import GenerationResult, PromptTooLongError, generate
 from dflax.models.config import ModelConfig, UnsupportedArchitectureError
+from dflax.paths import enable_compilation_cache
 from dflax.sharding import MeshShape, make_mesh
 from dflax.target import Target, load_target
 

@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflax.checkpoints.model_files import cache_dir
 from dflax.decoding.block_size import BlockSizeChoice, choose_block_size, expected_tau
 from dflax.decoding.decode import DecodeState, Proposer, decode_step
 from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.tree_budget import tree_commit_moments
 from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
+from dflax.paths import cache_dir
 from dflax.roofline import machine_facts, median_time
 from dflax.target import Target
 

@@ -82,11 +82,11 @@ def no_persistent_compilation_cache_in_this_process():
     compile of the suite would be serialized and written to disk, time no test asks for. Commands the
     tests start as subprocesses still use it, sharing this run's DFLAX_CACHE.
     """
-    from dflax.checkpoints import model_files
+    from dflax import paths
 
     def cache_directory_left_off():
-        return model_files.cache_dir() / "xla"
+        return paths.cache_dir() / "xla"
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_files, "enable_compilation_cache", cache_directory_left_off)
+        patch.setattr(paths, "enable_compilation_cache", cache_directory_left_off)
         yield

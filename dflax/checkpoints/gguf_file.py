@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflax.checkpoints.model_files import cache_dir, source_hash
 from dflax.models.config import ModelConfig, UnsupportedArchitectureError
+from dflax.paths import cache_dir, source_hash
 
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 

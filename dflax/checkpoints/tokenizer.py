@@ -27,7 +27,8 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
-from dflax.checkpoints import gguf_file, model_files
+from dflax import paths
+from dflax.checkpoints import gguf_file
 
 # The special tokens of tokenizer_config.json; the chat template sees them as variables.
 _SPECIAL_TOKEN_NAMES = tuple(f"{name}_token" for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"))
@@ -125,7 +126,7 @@ class Tokenizer:
         Args:
           path: the .gguf file.
           cache_dir: where conversions are cached, one directory per file (name, size and mtime) and
-            version of this module's source; defaults to `model_files.cache_dir() / "tokenizers"`.
+            version of this module's source; defaults to `paths.cache_dir() / "tokenizers"`.
 
         Raises:
           FileNotFoundError: when `path` does not exist.
@@ -138,9 +139,9 @@ class Tokenizer:
                     f"{path} is not a GGUF file; for a tokenizer.json directory use Tokenizer.from_hf_dir"
                 )
         stat = path.stat()
-        root = Path(cache_dir) if cache_dir is not None else model_files.cache_dir() / "tokenizers"
+        root = Path(cache_dir) if cache_dir is not None else paths.cache_dir() / "tokenizers"
         # Keyed on this module's source too: a changed conversion never reuses an older one's output.
-        code = model_files.source_hash(__name__)
+        code = paths.source_hash(__name__)
         converted = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{code}"
         if not (converted / "tokenizer.json").is_file():
             _save_atomically(*_convert_gguf(path), converted)

@@ -93,7 +93,7 @@ MESH_HELP = (
 
 def load_target_or_fail(target: str, dtype: str | None, mesh: str | None = None):
     """The target, loaded with a status line and its load time, or one clear error."""
-    from dflax.checkpoints.model_files import enable_compilation_cache
+    from dflax.paths import enable_compilation_cache
     from dflax.target import load_target
 
     # Compiled decode steps persist across runs: a shape compiles once per machine, not once per command.

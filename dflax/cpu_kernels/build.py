@@ -22,8 +22,8 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from dflax.checkpoints.model_files import cache_dir
 from dflax.cpu_info import cpu_model_and_flags
+from dflax.paths import cache_dir
 
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 

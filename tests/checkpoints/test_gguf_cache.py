@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from dflax import paths
 from dflax.checkpoints import gguf_file, model_files, tokenizer
 from dflax.checkpoints.hf_dir import read_hf_dir
 
 
 def test_each_run_converts_into_its_own_empty_cache():
     """conftest points DFLAX_CACHE at a fresh temporary directory, never the user's ~/.cache/dflax."""
-    cache = model_files.cache_dir()
+    cache = paths.cache_dir()
     assert cache.parent == Path(tempfile.gettempdir()) and cache.name.startswith("dflax-test-cache-")
     assert cache != Path.home() / ".cache" / "dflax"
 
@@ -71,7 +72,7 @@ def test_tokenizer_is_converted_again_when_its_code_changes(tmp_path, monkeypatc
     tokenizer.Tokenizer.from_gguf(path, cache_dir=tmp_path)
     tokenizer.Tokenizer.from_gguf(path, cache_dir=tmp_path)
     assert len(conversions) == 1
-    monkeypatch.setattr(model_files, "source_hash", lambda *modules: "edited-source")
+    monkeypatch.setattr(paths, "source_hash", lambda *modules: "edited-source")
     tokenizer.Tokenizer.from_gguf(path, cache_dir=tmp_path)
     assert len(conversions) == 2
 
