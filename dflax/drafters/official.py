@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from dflax.drafters.checkpoint import load_drafter_checkpoint, save_drafter
 from dflax.drafters.dflash import DFlashConfig
-from dflax.train.report import TRAINING_RECORD
+from dflax.drafters.training_record import TRAINING_RECORD
 
 FORMATS = ("official",)
 
