@@ -23,13 +23,8 @@ from dflax.decoding.shared_prefix import PrefixGroup, prefill_shared, share_grou
 from dflax.models.cache import KVCache
 from dflax.sharding import ShardingRules
 from dflax.sharding.multihost import to_host
-from dflax.sharding.placement import (
-    padded_batch,
-    place_replicated,
-    place_rows,
-    sharded_cache,
-    sharded_generation,
-)
+from dflax.sharding.placement import padded_batch, place_replicated, place_rows, sharded_cache
+from dflax.sharding.programs import sharded_generation
 from dflax.target import Target
 from pallas_kernels.shared_prefix import GroupLayout
 

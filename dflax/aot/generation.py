@@ -24,7 +24,7 @@ from dflax.drafters.dflash import DFlashDrafter, DFlashProposer, DraftSampling, 
 from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
 from dflax.sharding import ShardingRules, mesh_shape
-from dflax.sharding.placement import sharded_prefill, sharded_state_step
+from dflax.sharding.programs import sharded_prefill, sharded_state_step
 
 STAGES = ("prefill", "decode_step", "decode_loop")
 
