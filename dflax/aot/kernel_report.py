@@ -1,5 +1,5 @@
 """Compiles the tree-attention kernels for v5e (libtpu) and H100 (the CUDA plugin) on this CPU and prints the
-compiler's numbers as a markdown table: `python -m pallas_kernels.tree_attention.compile_report`.
+compiler's numbers as a markdown table: `python -m dflax.aot.kernel_report`.
 
 Shapes: prefill (one 4096-token prompt, empty cache) and verify (16 chain tokens over a 4096-token cache) of
 SmolLM2-135M (9 query / 3 KV heads of 64) and a Qwen3-8B-like layer (32 / 8 heads of 128), bf16. Memory
