@@ -20,9 +20,10 @@ from dflax.drafters import (
     load_drafter,
     prompt_lookup,
 )
-from dflax.generation import GenerationResult, PromptTooLongError, generate
+from dflax.generation import PromptTooLongError, generate
 from dflax.models.config import ModelConfig, UnsupportedArchitectureError
 from dflax.paths import enable_compilation_cache
+from dflax.runtime.results import GenerationResult
 from dflax.sharding import MeshShape, make_mesh
 from dflax.target import Target, load_target
 

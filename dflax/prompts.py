@@ -14,7 +14,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from dflax.generation import GenerationResult, Prompt
+from dflax.generation import Prompt
+from dflax.runtime.results import GenerationResult
 
 
 @dataclasses.dataclass(frozen=True)

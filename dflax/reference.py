@@ -28,8 +28,8 @@ from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import Drafter
 from dflax.drafters.checkpoint import load_drafter_checkpoint
 from dflax.drafters.official import official_format_problems
-from dflax.generation import cache_slots, prompt_bucket
 from dflax.models.cache import KVCache
+from dflax.runtime.shapes import cache_slots, prompt_bucket
 from dflax.target import Target
 
 

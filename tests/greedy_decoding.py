@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflax.decoding.sampling import SamplingParams
-from dflax.generation import generate_ids
+from dflax.runtime.static_batches import generate_ids
 
 
 def greedy(target, prompts, max_new, drafter=None, batch_size=4):

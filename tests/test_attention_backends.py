@@ -15,8 +15,8 @@ import dflax
 from dflax.decoding.decode import prefill
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import load_drafter
-from dflax.generation import generate_ids
 from dflax.models.cache import KVCache
+from dflax.runtime.static_batches import generate_ids
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22]]
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import dflax
 from dflax.cli import app
-from dflax.continuous_batching import MIN_REFILL_ROWS, refill_rows
+from dflax.runtime.continuous import MIN_REFILL_ROWS, refill_rows
 
 ROOT = Path(__file__).parents[1]
 

@@ -22,10 +22,7 @@ from dflax.cost_curve import COST_CURVE_SIZES, measure_cost_curve
 from dflax.divergence import first_differences
 from dflax.drafters.checkpoint import load_drafter_checkpoint
 from dflax.drafters.dflash import DRAFT_SAMPLING_MODES
-from dflax.generation import (
-    encode_prompt,
-    fit_to_context,
-)
+from dflax.generation import encode_prompt, fit_to_context
 from dflax.prompts import load_prompts, with_system_prompt
 from dflax.roofline import machine_facts, measure_roofline, step_floor_s
 from dflax.target import load_target

@@ -15,12 +15,9 @@ import numpy as np
 
 from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.shared_prefix import share_groups
-from dflax.generation import (
-    cache_slots,
-    can_share_prefix,
-    generate_ids,
-    prompt_bucket,
-)
+from dflax.runtime.programs import can_share_prefix
+from dflax.runtime.shapes import cache_slots, prompt_bucket
+from dflax.runtime.static_batches import generate_ids
 from dflax.target import Target
 
 
@@ -112,9 +109,9 @@ def run_continuous(
     refill_every=16,
 ):
     """Continuous batching over the whole prompt set: every `refill_every` decode steps, finished rows
-    take the next prompts (dflax.continuous_batching). Refills prefill a varying number of rows, so the
+    take the next prompts (dflax.runtime.continuous). Refills prefill a varying number of rows, so the
     warm-up is one untimed run of the same prompts: it compiles every shape the timed run meets."""
-    from dflax.continuous_batching import generate_continuous
+    from dflax.runtime.continuous import generate_continuous
 
     def run(timing=None, on_result=None):
         return generate_continuous(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflax.aot.chips import chip_of
-from dflax.generation import cache_slots
+from dflax.runtime.shapes import cache_slots
 from dflax.sharding import MeshShape
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,8 +15,8 @@ from tiny_checkpoints import full_sequence_logits
 import dflax
 from dflax.decoding.decode import decode_loop, decode_step, prefill
 from dflax.decoding.sampling import SamplingParams
-from dflax.generation import generate_ids
 from dflax.models.cache import KVCache
+from dflax.runtime.static_batches import generate_ids
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
 

@@ -17,9 +17,9 @@ import pytest
 import dflax
 from dflax.decoding.decode import prefill
 from dflax.decoding.sampling import SamplingParams
-from dflax.generation import packed_bucket
 from dflax.models.cache import KVCache
 from dflax.models.packing import Packing
+from dflax.runtime.shapes import packed_bucket
 
 LENGTHS = [45, 1, 60, 7]  # a one-token prompt; rows inside and across the pack's blocks of 64
 BUCKET = 64

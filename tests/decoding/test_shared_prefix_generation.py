@@ -18,8 +18,9 @@ import dflax
 from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.shared_prefix import PrefixGroup, prefill_shared, share_groups
 from dflax.drafters import load_drafter, prompt_lookup
-from dflax.generation import _shared_prefix_inputs, generate_ids, packed_bucket
 from dflax.models.cache import KVCache
+from dflax.runtime.shapes import packed_bucket
+from dflax.runtime.static_batches import _shared_prefix_inputs, generate_ids
 
 SYSTEM = [int(x) for x in np.random.default_rng(0).integers(3, 60, size=45)]
 REPEATED = [7, 8, 9] * 14

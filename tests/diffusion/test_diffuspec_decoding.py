@@ -27,7 +27,7 @@ from dflax.decoding.acceptance import commit_tokens
 from dflax.decoding.sampling import SamplingParams, sample, split_keys, target_log_probs, uniform
 from dflax.diffusion.adl import AdlSettings
 from dflax.drafters.diffuspec_proposer import DiffuSpecDrafter, DiffuSpecParams, DiffuSpecProposer, diffuspec
-from dflax.generation import generate_ids
+from dflax.runtime.static_batches import generate_ids
 
 # Mixed lengths, with repeats so the row's own trigram counts matter to CPS.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12], [20, 21, 22, 20, 21, 22, 23, 20, 21], [40, 41, 42]]

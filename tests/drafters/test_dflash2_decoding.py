@@ -25,7 +25,7 @@ from dflax.drafters.dflash import DFlashConfig
 from dflax.drafters.dflash2 import DFlash2Config, DFlash2Drafter, init_dflash2_params, scale_logits
 from dflax.drafters.dflash2_checkpoint import save_dflash2_drafter
 from dflax.drafters.dflash2_proposer import DFlash2Proposer, scatter_log_q
-from dflax.generation import generate_ids
+from dflax.runtime.static_batches import generate_ids
 
 SLIDE, FULL = "sliding_attention", "full_attention"
 TARGET_T = 1.0

@@ -17,7 +17,7 @@ from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import DFlashConfig, load_drafter
 from dflax.drafters.checkpoint import config_from_json, config_to_json, save_drafter
 from dflax.drafters.dflash import DFlashDrafter, init_drafter_params
-from dflax.generation import generate_ids
+from dflax.runtime.static_batches import generate_ids
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12]]
 

@@ -22,7 +22,7 @@ import dflax
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import DraftSampling, load_drafter
 from dflax.drafters.dflash import DRAFT_TEMPERATURE_SCALE
-from dflax.generation import generate_ids
+from dflax.runtime.static_batches import generate_ids
 
 PROMPT = [7, 8, 9, 10]
 N_ROWS, ROUNDS = 256, 16

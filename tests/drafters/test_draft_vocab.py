@@ -17,8 +17,8 @@ from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import load_drafter
 from dflax.drafters.checkpoint import save_drafter
 from dflax.drafters.draft_vocab import check_draft_vocab, frequent_tokens, vocab_index
-from dflax.generation import generate_ids
 from dflax.models.transformer import Transformer
+from dflax.runtime.static_batches import generate_ids
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40]]
 

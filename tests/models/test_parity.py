@@ -14,7 +14,7 @@ from tiny_checkpoints import TINY_ARCHS, full_sequence_logits
 
 import dflax
 from dflax.decoding.sampling import SamplingParams
-from dflax.generation import generate_ids
+from dflax.runtime.static_batches import generate_ids
 
 LOGIT_ATOL = 1e-4
 

@@ -21,7 +21,8 @@ import numpy as np
 
 import dflax
 from dflax.decoding.sampling import SamplingParams
-from dflax.generation import _rules, compiled_programs, generate_ids
+from dflax.runtime.programs import compiled_programs, mesh_rules
+from dflax.runtime.static_batches import generate_ids
 from dflax.sharding.placement import place_replicated, place_rows, sharded_cache
 
 TEMPERATURES = (0.0, 1.0)
@@ -51,7 +52,7 @@ def run(target, drafter, spec) -> dict:
 def compiled_param_shards(target, drafter) -> dict:
     """Parameter path -> [shard shape, full shape] as the compiled DFlash decode loop receives it (read
     from the executable's input shardings, not from the arrays passed)."""
-    rules, proposer = _rules(target), drafter.proposer
+    rules, proposer = mesh_rules(target), drafter.proposer
     prefill_fn, decode_fn = compiled_programs(target, proposer)
     batch = rules.mesh.shape["data"]
     tokens, lens, budgets = place_rows(rules, jnp.ones((batch, 16), jnp.int32), jnp.ones((batch,), jnp.int32),

@@ -28,17 +28,12 @@ import numpy as np
 
 from dflax.decoding.decode import DecodeState, Proposer, decode_step
 from dflax.decoding.sampling import SamplingParams
-from dflax.generation import (
-    GenerationResult,
-    cache_slots,
-    compiled_programs,
-    next_pow2,
-    prompt_bucket,
-    result_of_row,
-)
 from dflax.host_memory import configure_malloc, release_free_memory
 from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
+from dflax.runtime.programs import compiled_programs
+from dflax.runtime.results import GenerationResult, result_of_row
+from dflax.runtime.shapes import cache_slots, next_pow2, prompt_bucket
 from dflax.target import Target
 
 if TYPE_CHECKING:
