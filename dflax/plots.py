@@ -144,7 +144,7 @@ def _log2_ticks(ax: Axes, values: Sequence[int]) -> None:
 
 
 def _floor_s(roofline: dict[str, Any], rows: int) -> float:
-    """One forward's floor for `rows` tokens (see dflax.roofline.step_floor_s; kept here so plotting
+    """One forward's floor for `rows` tokens (see dflax.planning.roofline.step_floor_s; kept here so plotting
     needs no JAX)."""
     return max(roofline["weight_pass_s"], rows * roofline["matmul_s"] / roofline["matmul_rows"])
 

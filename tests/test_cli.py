@@ -386,7 +386,7 @@ def test_bad_shard_arguments(tmp_path, target_dir, args, message):
 
 
 def test_cost_curve_sizes_must_include_one_token():
-    from dflax.cost_curve import measure_cost_curve
+    from dflax.planning.cost_curve import measure_cost_curve
 
     with pytest.raises(ValueError, match="include 1"):
         measure_cost_curve(None, sizes=(2, 4))

@@ -38,16 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "dflax.divergence",
         ),
     ),
-    (
-        "planning",
-        (
-            "dflax.cost_curve",
-            "dflax.roofline",
-            "dflax.projection",
-            "dflax.decoding.block_size",
-            "dflax.decoding.tree_budget",
-        ),
-    ),
+    ("planning", ("dflax.planning",)),
     (
         "applications",
         (

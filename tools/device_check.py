@@ -14,8 +14,9 @@ Stages (each in its own process, under its own time budget; one that overruns is
            CPU fp32 target's top-2 logit gap there (`dflax.divergence.first_differences`).
   bench    `dflax.bench.run_bench` (what `dflax bench` runs), methods ar and dflash, at each batch size.
   steps    a random-weight Qwen3-8B-shaped bf16 target: a 1-token step, a 16-token verify and a 32-node
-           tree verify (target forwards with logits, `dflax.cost_curve.verify_times`), next to the roofline
-           of the chip (bytes / HBM bandwidth, FLOPs / dense bf16 peak, figures of `dflax.aot.chips`).
+           tree verify (target forwards with logits, `dflax.planning.cost_curve.verify_times`), next to the
+           roofline of the chip (bytes / HBM bandwidth, FLOPs / dense bf16 peak, figures of
+           `dflax.aot.chips`).
 
 The JSON is rewritten after every stage, so a killed run still leaves the stages it finished.
 See tools/README.md for running it on a bare GPU machine and for what to commit afterwards.

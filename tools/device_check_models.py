@@ -402,7 +402,8 @@ def random_params(abstract, seed: int = 0) -> dict:
 def tree_verify_s(target, nodes: int, context: int, slots: int, reps: int) -> float:
     """Median seconds of one target forward (logits included) over a root and `nodes` tree nodes (node i's
     parent (i - 1) // 2, a binary tree of depth log2(nodes)) under their ancestor mask, as the decode loop
-    verifies a draft tree, into a donated cache (the tree counterpart of `dflax.cost_curve.verify_times`)."""
+    verifies a draft tree, into a donated cache (the tree counterpart of
+    `dflax.planning.cost_curve.verify_times`)."""
     import jax
     import jax.numpy as jnp
 
@@ -438,9 +439,9 @@ def stage_steps(s: Settings, rec: Recorder) -> None:
 
     from dflax.aot.models import target_config
     from dflax.checkpoints.params import abstract_params
-    from dflax.cost_curve import verify_times
     from dflax.models.config import ModelConfig
     from dflax.models.transformer import Transformer
+    from dflax.planning.cost_curve import verify_times
     from dflax.target import Target, default_cache_dtype
 
     if s.dry_run:

@@ -15,20 +15,20 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from dflax import projection
 from dflax.bench.runners import diffuspec_runs, run_auto, run_dflax, run_hf, with_refills
 from dflax.bench.summary import add_projection, median_round, summarize
-from dflax.cost_curve import COST_CURVE_SIZES, measure_cost_curve
 from dflax.divergence import first_differences
 from dflax.drafters.checkpoint import load_drafter_checkpoint
 from dflax.drafters.dflash import DRAFT_SAMPLING_MODES
 from dflax.generation import encode_prompt, fit_to_context
+from dflax.planning import projection
+from dflax.planning.cost_curve import COST_CURVE_SIZES, measure_cost_curve
+from dflax.planning.roofline import machine_facts, measure_roofline, step_floor_s
 from dflax.prompts import load_prompts, with_system_prompt
-from dflax.roofline import machine_facts, measure_roofline, step_floor_s
 from dflax.target import load_target
 
 BENCH_METHODS = ("ar", "dflash", "dart", "lookup", "diffuspec", "hf", "official")
-AUTO = "auto"  # a block size chosen by the cost model (dflax.decoding.block_size)
+AUTO = "auto"  # a block size chosen by the cost model (dflax.planning.block_size)
 
 
 def run_bench(
@@ -108,14 +108,14 @@ def run_bench(
 
     Returns:
       {"target", "prompts", "n_prompts", "batch_sizes", "max_new_tokens", "temperature", "machine" (CPU model
-      and flags, devices: `dflax.roofline.machine_facts`), "roofline", "results": [...]}, one result per
-      method and batch size with tokens_per_s (decode only), prefill_s, prefill_tokens_per_s, tau, accept_hist
-      (steps by tokens committed = accepted depth + 1), block_size and tree_budget (None for ar and hf),
-      step_s and step_vs_floor (one decode-loop iteration against this machine's floor for that many rows, see
-      dflax.roofline), and, when "ar" ran too, ar_tokens_per_s, speedup and, at T=0, lossless_match (fraction
-      of prompts token-identical to ar) and first_differences (where each other output leaves ar's and the
-      target's logits there, see `dflax.divergence.first_differences`: near-ties show as gaps of a few
-      hundredths).
+      and flags, devices: `dflax.planning.roofline.machine_facts`), "roofline", "results": [...]}, one result
+      per method and batch size with tokens_per_s (decode only), prefill_s, prefill_tokens_per_s, tau,
+      accept_hist (steps by tokens committed = accepted depth + 1), block_size and tree_budget (None for ar
+      and hf), step_s and step_vs_floor (one decode-loop iteration against this machine's floor for that many
+      rows, see dflax.planning.roofline), and, when "ar" ran too, ar_tokens_per_s, speedup and, at T=0,
+      lossless_match (fraction of prompts token-identical to ar) and first_differences (where each other
+      output leaves ar's and the target's logits there, see `dflax.divergence.first_differences`: near-ties
+      show as gaps of a few hundredths).
       dflax's results add kv_cache_bytes (the allocated target KV cache, measured from the arrays) and
       prefix_kv_bytes (the common prompt prefixes' part of it), summed over batches. With
       rounds_per_method > 1 every result adds round_tokens_per_s (each round's, in run order) and, beside

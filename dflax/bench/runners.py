@@ -159,7 +159,7 @@ def run_auto(
     """DFlash or DART at the block size (or, with `trees`, the tree budget) the cost model picks for this
     batch size, or plain decoding when nothing pays; after the first prompts (`probe_size`), chosen again
     with the acceptance those prompts showed (`scaled_to_probe`)."""
-    from dflax.cost_curve import auto_block_size, probe_size, scaled_to_probe
+    from dflax.planning.cost_curve import auto_block_size, probe_size, scaled_to_probe
 
     rows = min(batch_size, len(prompt_ids))
     median = sorted(len(p) for p in prompt_ids)[len(prompt_ids) // 2]

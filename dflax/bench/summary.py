@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dflax import projection
+from dflax.planning import projection
 from dflax.target import Target
 
 
@@ -78,8 +78,8 @@ def weights_read(params) -> int:
 
 
 def add_projection(results: list[dict], target: Target, drafter, n_prompts: int, dart=None) -> None:
-    """Adds each speculative result's projected speedup on accelerators (see dflax.projection): a step
-    verifies the block (or the tree's nodes and root) and runs the DFlash or DART drafter (lookup runs
+    """Adds each speculative result's projected speedup on accelerators (see dflax.planning.projection): a
+    step verifies the block (or the tree's nodes and root) and runs the DFlash or DART drafter (lookup runs
     none)."""
     target_params = weights_read(target.params)
     drafter_params = 0

@@ -85,8 +85,8 @@ def auto_chooser(loaded, records, batch_size: int, max_new_tokens: int, trees: b
     """choose(drafter) -> (the drafter at the cost model's block size (or tree budget, with `trees`) for
     this run (static batches or continuous batching, under the target's `sampling`), or None (plain
     decoding); the choice); it says which."""
-    from dflax.cost_curve import auto_block_size
     from dflax.generation import encode_prompt
+    from dflax.planning.cost_curve import auto_block_size
     from dflax.runtime.shapes import cache_slots, prompt_bucket
 
     lengths = sorted(len(encode_prompt(loaded, r.prompt)) for r in records) or [1]

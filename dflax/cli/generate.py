@@ -217,7 +217,7 @@ def generate(
             fail("--block-size auto times this machine's decode steps; give every process --block-size B")
         import numpy as np
 
-        from dflax.cost_curve import probe_size, scaled_to_probe
+        from dflax.planning.cost_curve import probe_size, scaled_to_probe
 
         trees = tree_budget is None  # --tree-budget 0 asks for chains
         from dflax.decoding.sampling import SamplingParams

@@ -48,7 +48,7 @@ class Drafter:
       proposer: the static proposer (block size and draft sampling included).
       accept: measured per-position conditional acceptance acc_1, acc_2, ... (validation at the end of
         its training, from TRAINING.json), or None when unknown; `--block-size auto` predicts from it.
-      rank_accept: measured rank acceptance [n][K] (dflax.decoding.tree_budget), or None when unknown;
+      rank_accept: measured rank acceptance [n][K] (dflax.planning.tree_budget), or None when unknown;
         `--block-size auto` weighs draft trees with it when `tree_commits` is unknown.
       tree_commits: E[c] and E[c^2] of the tokens a best-first tree of N nodes over the trained block
         commits, N = 0, 1, ... (simulated on held-out blocks at its final validation), or None.

@@ -443,14 +443,14 @@ def sampled_acceptance(stats: BlockStats) -> tuple[jax.Array, jax.Array]:
 def tree_commit_curve(stats: BlockStats) -> jax.Array:
     """[TREE_NODES + 1, 2] E[c] and E[c^2] of the tokens one step commits with a best-first tree of N
     nodes, N = 0 .. TREE_NODES, over the simulated blocks (`tree_acceptance`); the form of
-    `dflax.decoding.tree_budget.tree_commit_moments`."""
+    `dflax.planning.tree_budget.tree_commit_moments`."""
     whole = jnp.maximum(stats.whole, 1.0)
     return jnp.stack([stats.tree_committed / whole, stats.tree_committed_square / whole], axis=1)
 
 
 def rank_acceptance(stats: BlockStats) -> jax.Array:
     """[n, RANKS] P(label k has rank r | labels 1..k-1 rank below RANKS): what a tree over the top
-    candidates of each position accepts at depth k (see dflax.decoding.tree_budget)."""
+    candidates of each position accepts at depth k (see dflax.planning.tree_budget)."""
     return stats.rank_count / jnp.maximum(stats.ranked, 1.0)[:, None]
 
 

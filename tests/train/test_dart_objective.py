@@ -20,11 +20,11 @@ from greedy_decoding import greedy
 from rich.console import Console
 
 import dflax
-from dflax.cost_curve import AUTO_TREE_BUDGETS, auto_block_size
 from dflax.drafters import DartDrafterBound, load_drafter
 from dflax.drafters.dart import DartConfig, DartDrafter, DartParams, DartProposer, init_dart_params
 from dflax.generation import encode_prompt
 from dflax.models.cache import KVCache
+from dflax.planning.cost_curve import AUTO_TREE_BUDGETS, auto_block_size
 from dflax.train import dart_objective
 from dflax.train.trainer import TrainConfig, train
 

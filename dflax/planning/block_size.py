@@ -8,15 +8,15 @@ average
     tau(B) = 1 + sum_{k=1}^{B-1} prod_{j<=k} acc_j
 
 tokens (the bonus token included), and takes t_step(B), a whole decode step timed on this machine
-(`dflax.cost_curve.step_costs`). A plain step commits one token in t_step(plain). The predicted speedup of
-B over plain decoding is therefore
+(`dflax.planning.cost_curve.step_costs`). A plain step commits one token in t_step(plain). The predicted
+speedup of B over plain decoding is therefore
 
     speedup(B) = tau(B) * t_step(plain) / t_step(B),
 
 and the chosen block size is the one with the best predicted speedup, or none (plain decoding) when no
 block size is predicted to beat plain decoding by the required margin. Best-first trees of N nodes over
 the largest block compete with the chains, their tau from the drafter's simulated held-out trees
-(dflax.train.tree_acceptance) or, without those, from its rank acceptance (dflax.decoding.tree_budget).
+(dflax.train.tree_acceptance) or, without those, from its rank acceptance (dflax.planning.tree_budget).
 
 A static batch of R rows runs until its slowest row is done. Plain rows of L new tokens all take L steps;
 a speculative row takes a random number of steps, about normal with mean L / tau (plus its last step's
@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from dflax.decoding.tree_budget import tree_commit_moments
+from dflax.planning.tree_budget import tree_commit_moments
 
 # A block size must be predicted at least this much faster than plain decoding to be chosen: timings move
 # by several percent between runs on a shared CPU, and acceptance on the prompts at hand is not the
@@ -157,7 +157,7 @@ def choose_block_size(
       plain_s: seconds of one plain decode step.
       chain_s: seconds of one decode step per candidate block size B (the candidate chains).
       min_speedup: the predicted speedup a block size needs to be chosen over plain decoding.
-      rank_accept: [n, K] the drafter's rank acceptance (dflax.decoding.tree_budget), or None: no trees
+      rank_accept: [n, K] the drafter's rank acceptance (dflax.planning.tree_budget), or None: no trees
         unless `tree_commits` is given.
       tree_s: seconds of one decode step per candidate node budget N, the trees drawn over blocks of the
         largest candidate chain.

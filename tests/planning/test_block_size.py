@@ -14,15 +14,7 @@ from typer.testing import CliRunner
 import dflax
 from dflax import cost_curve, projection
 from dflax.cli import app
-from dflax.decoding.block_size import (
-    choose_block_size,
-    expected_square,
-    expected_tau,
-    mean_of_largest_normal,
-    static_batch_tau,
-)
 from dflax.decoding.sampling import SamplingParams
-from dflax.decoding.tree_budget import tree_commit_moments
 from dflax.drafters import (
     DraftSampling,
     load_dart,
@@ -31,6 +23,14 @@ from dflax.drafters import (
     measured_rank_acceptance,
 )
 from dflax.drafters.dart import DartConfig
+from dflax.planning.block_size import (
+    choose_block_size,
+    expected_square,
+    expected_tau,
+    mean_of_largest_normal,
+    static_batch_tau,
+)
+from dflax.planning.tree_budget import tree_commit_moments
 
 # A whole decode step per block size, relative to a plain step: flat-ish up to 4 tokens, then growing (the
 # CPU's shape).

@@ -15,7 +15,7 @@ first children and next siblings, as the decoding tree builder does). A chain is
 (0, ..., 0), and its tau is `block_size.expected_tau` of a[:, 0] when the stats condition alike.
 
 The predicted speedup of N nodes over plain decoding is tau(N) * t_step(plain) / t_step(N), the same form
-as a chain's; `dflax.decoding.block_size.choose_block_size` weighs both.
+as a chain's; `dflax.planning.block_size.choose_block_size` weighs both.
 
 Glossary: n draft positions, K candidates counted per position (RANKS), N nodes (the root not counted).
 """

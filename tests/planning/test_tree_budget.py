@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflax.decoding.block_size import choose_block_size, expected_square, expected_tau
-from dflax.decoding.tree_budget import tree_commit_moments
 from dflax.drafters.best_first import best_first_tree
+from dflax.planning.block_size import choose_block_size, expected_square, expected_tau
+from dflax.planning.tree_budget import tree_commit_moments
 
 # a[j, r]: a drafter that is often right at rank 0 and sometimes at ranks 1-2, weaker deeper.
 RANK_ACCEPT = np.asarray(

@@ -4,7 +4,7 @@
 forwards. `auto_block_size` times whole decode steps (draft, verify, acceptance, commit and the drafter's
 update) of plain decoding and of every candidate block size and tree at the run's batch size, context and
 cache slots, in interleaved rounds, caches them on disk per machine, and hands them to the cost model of
-`dflax.decoding.block_size`, so `--block-size auto` picks the block size (or plain decoding) that is
+`dflax.planning.block_size`, so `--block-size auto` picks the block size (or plain decoding) that is
 predicted fastest for this target, drafter and machine. The drafter's acceptance comes from its held-out
 answers; a run first decodes `probe_size` prompts with that choice, then `scaled_to_probe` scales the
 acceptance to what those prompts accepted and the rest is decoded with the choice made again.
@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflax.decoding.block_size import BlockSizeChoice, choose_block_size, expected_tau
 from dflax.decoding.decode import DecodeState, Proposer, decode_step
 from dflax.decoding.sampling import SamplingParams
-from dflax.decoding.tree_budget import tree_commit_moments
 from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
 from dflax.paths import cache_dir
-from dflax.roofline import machine_facts, median_time
+from dflax.planning.block_size import BlockSizeChoice, choose_block_size, expected_tau
+from dflax.planning.roofline import machine_facts, median_time
+from dflax.planning.tree_budget import tree_commit_moments
 from dflax.target import Target
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32)
@@ -319,7 +319,7 @@ def auto_block_size(
       slots: the run's cache slots (a bf16 cache costs in proportion to its slots on a CPU); at least the
         context plus the largest candidate step.
       static_tokens: the new tokens per row when the run decodes static batches of `rows` > 1 rows (each
-        batch waits for its slowest row: `dflax.decoding.block_size`); None for continuous batching.
+        batch waits for its slowest row: `dflax.planning.block_size`); None for continuous batching.
       sampling: the run's target sampling (None = greedy); steps are timed under it, with the drafter's
         own draft sampling (sampled drafts and block verification at T > 0 cost more than greedy steps).
 
