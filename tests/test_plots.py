@@ -9,8 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from dflax import plots, roofline
+from dflax import plots
 from dflax.bench import run_bench
+from dflax.planning import roofline
 
 COST_SIZES = (1, 2, 4)
 
