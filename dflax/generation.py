@@ -9,7 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from dflax.decoding.sampling import SamplingParams
+from dflax.planning.auto import AutoSettings, PlanListener, run_auto, uses_auto
 from dflax.runtime.continuous import generate_continuous
 from dflax.runtime.results import GenerationResult
 from dflax.runtime.static_batches import SHARED_PREFIX_MODES, generate_ids
@@ -81,8 +84,10 @@ def generate(
     on_result: Callable[[int, GenerationResult], None] | None = None,
     drafter: Drafter | DartDrafterBound | LookupDrafter | None = None,
     tree_budget: int | None = None,
+    block_size: int | str | None = None,
     refill_every: int | None = None,
     shared_prefix: str = "none",
+    on_plan: PlanListener | None = None,
 ) -> list[GenerationResult]:
     """Generates a completion for every prompt, plainly or speculatively (lossless either way).
 
@@ -103,6 +108,11 @@ def generate(
       tree_budget: N > 0 verifies a tree of N nodes each step (DFlash: best first over its block; DART:
         its n-gram-pruned beam; prompt lookup: the continuations of several occurrences) and 0 a chain;
         None keeps the drafter's own setting (a chain unless set).
+      block_size: B (the anchor + B - 1 drafts), or "auto": the DFlash or DART chain or tree the cost model
+        predicts fastest on this machine for this run (`dflax.planning.auto`), or plain decoding when none
+        pays, chosen again after the first prompts from the acceptance they showed. None: "auto" for a
+        drafter that recorded its acceptance (the shipped ones, and any `dflax train` exported) unless a
+        tree budget N > 0 is given, else the drafter's own B. With tree_budget=0 auto weighs chains only.
       refill_every: None runs static batches (each until its longest row ends); k > 0 batches
         continuously: every k decode steps finished rows are refilled with waiting prompts
         (`dflax.runtime.continuous`; on_result is then called in finishing order). Outputs are the same.
@@ -111,6 +121,8 @@ def generate(
         group of rows; "none" stores every prompt per row. Outputs are the same either way. Static
         batches on one device only (refill_every=None, no mesh); "auto" on a sliding-window model
         shares nothing.
+      on_plan: with auto, told ("timing", None) before it times decode steps and ("chosen", choice) after
+        each choice (`dflax.planning.block_size.BlockSizeChoice.describe()` says what it chose and why).
 
     Returns:
       One GenerationResult per prompt, in order.
@@ -138,12 +150,17 @@ def generate(
             "or shared_prefix='none'"
         )
     sampling = SamplingParams.make(temperature, top_k, top_p)
+    if (tree_budget is not None or block_size is not None) and drafter is None:
+        raise ValueError(
+            "tree_budget and block_size need a drafter: drafter=dflax.load_drafter(...) (DFlash) or "
+            "dflax.prompt_lookup(); plain decoding verifies one token per step"
+        )
+    auto = uses_auto(drafter, block_size, tree_budget)
+    if isinstance(block_size, int):
+        if block_size < 2:
+            raise ValueError(f"block_size must be 'auto' or an integer >= 2 (anchor + drafts): {block_size}")
+        drafter = drafter.with_block_size(block_size)
     if tree_budget is not None:
-        if drafter is None:
-            raise ValueError(
-                "tree_budget needs a drafter: drafter=dflax.load_drafter(...) (DFlash) or "
-                "dflax.prompt_lookup(); plain decoding verifies one token per step"
-            )
         drafter = drafter.with_tree_budget(tree_budget)
     seeds = list(row_seeds) if row_seeds is not None else [seed + i for i in range(len(prompts))]
     if len(seeds) != len(prompts):
@@ -153,33 +170,55 @@ def generate(
         fit_to_context(encode_prompt(target, p), max_new_tokens, context, truncate, f"#{i}")
         for i, p in enumerate(prompts)
     ]
-    if refill_every is not None and encoded:
-        return generate_continuous(
-            target,
-            encoded,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            row_seeds=seeds,
-            batch_size=batch_size,
-            refill_every=refill_every,
-            drafter=drafter,
+    results: list[GenerationResult | None] = [None] * len(encoded)
+
+    def run(start: int, end: int, chosen) -> list[int]:
+        """Decodes prompts [start, end) with `chosen`; returns their steps by tokens committed, summed."""
+
+        def done(i: int, result: GenerationResult) -> None:
+            results[start + i] = result
+            if on_result is not None:
+                on_result(start + i, result)
+
+        _decode(target, encoded[start:end], seeds[start:end], chosen, done, max_new_tokens=max_new_tokens,
+                sampling=sampling, batch_size=batch_size, refill_every=refill_every,
+                shared_prefix=shared_prefix)  # fmt: skip
+        hists = [results[i].stats["accept_hist"] for i in range(start, end)]
+        width = max(map(len, hists), default=0)
+        return np.sum([h + [0] * (width - len(h)) for h in hists], axis=0).tolist() if hists else []
+
+    if auto and encoded:
+        settings = AutoSettings.for_run(
+            [len(ids) for ids in encoded], batch_size, max_new_tokens,
+            trees=tree_budget is None, static=refill_every is None, sampling=sampling,
+        )  # fmt: skip
+        run_auto(target, drafter.with_tree_budget(0), settings, len(encoded), run, on_plan)
+    else:
+        run(0, len(encoded), drafter)
+    return results
+
+
+def _decode(target, prompt_ids, seeds, drafter, on_result, **settings) -> None:
+    """Decodes `prompt_ids` in static batches or continuously; on_result(i, result) for each prompt."""
+    refill_every, batch_size = settings["refill_every"], settings["batch_size"]
+    if refill_every is not None:
+        generate_continuous(
+            target, prompt_ids, max_new_tokens=settings["max_new_tokens"], sampling=settings["sampling"],
+            row_seeds=seeds, batch_size=batch_size, refill_every=refill_every, drafter=drafter,
             on_result=on_result,
-        )
-    results: list[GenerationResult] = []
-    for start in range(0, len(encoded), batch_size):
-        chunk = range(start, min(start + batch_size, len(encoded)))
+        )  # fmt: skip
+        return
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = range(start, min(start + batch_size, len(prompt_ids)))
         batch = generate_ids(
             target,
-            [encoded[i] for i in chunk],
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
+            [prompt_ids[i] for i in chunk],
+            max_new_tokens=settings["max_new_tokens"],
+            sampling=settings["sampling"],
             row_seeds=[seeds[i] for i in chunk],
             batch_size=batch_size,
             drafter=drafter,
-            shared_prefix=shared_prefix,
+            shared_prefix=settings["shared_prefix"],
         )
         for i, result in zip(chunk, batch):
-            if on_result is not None:
-                on_result(i, result)
-        results.extend(batch)
-    return results
+            on_result(i, result)

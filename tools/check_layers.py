@@ -28,17 +28,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("targets", ("dflax.sharding.placement", "dflax.target")),
     ("decoding", ("dflax.decoding",)),
     ("drafters", ("dflax.drafters", "dflax.diffusion")),
-    (
-        "runtime",
-        (
-            "dflax.generation",
-            "dflax.runtime",
-            "dflax.sharding.programs",
-            "dflax.prompts",
-            "dflax.divergence",
-        ),
-    ),
+    ("runtime", ("dflax.runtime", "dflax.sharding.programs", "dflax.divergence")),
     ("planning", ("dflax.planning",)),
+    ("api", ("dflax.generation", "dflax.prompts")),
     (
         "applications",
         (

@@ -3,6 +3,7 @@ choice, HF transformers in a child process, refill and DiffuSpec variants."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import subprocess
@@ -15,8 +16,9 @@ import numpy as np
 
 from dflax.decoding.sampling import SamplingParams
 from dflax.decoding.shared_prefix import share_groups
+from dflax.planning.auto import AutoSettings
+from dflax.planning.auto import run_auto as auto_run
 from dflax.runtime.programs import can_share_prefix
-from dflax.runtime.shapes import cache_slots, prompt_bucket
 from dflax.runtime.static_batches import generate_ids
 from dflax.target import Target
 
@@ -157,45 +159,27 @@ def run_auto(
     shared_prefix="none",
 ):
     """DFlash or DART at the block size (or, with `trees`, the tree budget) the cost model picks for this
-    batch size, or plain decoding when nothing pays; after the first prompts (`probe_size`), chosen again
-    with the acceptance those prompts showed (`scaled_to_probe`)."""
-    from dflax.planning.cost_curve import auto_block_size, probe_size, scaled_to_probe
-
-    rows = min(batch_size, len(prompt_ids))
-    median = sorted(len(p) for p in prompt_ids)[len(prompt_ids) // 2]
-    # Bench decodes static batches: with several rows, each batch waits for its slowest row.
-    choose = functools.partial(
-        auto_block_size,
-        target,
-        rows=rows,
-        context=context,
-        trees=trees,
-        slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
-        static_tokens=max_new_tokens,
-        sampling=SamplingParams.make(temperature),  # as `run_dflax` decodes
-    )
-    run = functools.partial(
-        run_dflax, target, max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
-        progress=progress, shared_prefix=shared_prefix,
+    batch size, or plain decoding when nothing pays; after the first prompts chosen again with the
+    acceptance those prompts showed (`dflax.planning.auto`). Bench decodes static batches."""
+    settings = AutoSettings.for_run(
+        [len(p) for p in prompt_ids], batch_size, max_new_tokens,
+        trees=trees, static=True, sampling=SamplingParams.make(temperature),  # as `run_dflax` decodes
     )  # fmt: skip
-    chosen, choice = choose(drafter)
-    probe = probe_size(rows, len(prompt_ids))
-    probed = {}
-    if chosen is None or not probe:  # plain decoding measures no acceptance
-        tokens, per_batch = run(prompt_ids, seed=seed, drafter=chosen)
-    else:
-        tokens, per_batch = run(prompt_ids[:probe], seed=seed, drafter=chosen)
-        hist = np.sum([b["accept_hist"] for b in per_batch], axis=0)
-        measured, scale = scaled_to_probe(drafter, hist, choice.block_size, choice.tree_budget)
-        probed = {
-            "prompts": probe,
-            "block_size": choice.block_size,
-            "tree_budget": choice.tree_budget,
-            "acceptance_scale": scale,
-        }
-        chosen, choice = choose(measured)
-        rest, rest_batches = run(prompt_ids[probe:], seed=seed + probe, drafter=chosen)
-        tokens, per_batch = tokens + rest, per_batch + rest_batches
+    settings = dataclasses.replace(settings, context=context)
+    tokens, per_batch = [], []
+
+    def run(start, end, chosen):
+        done, batches = run_dflax(
+            target, prompt_ids[start:end], max_new_tokens=max_new_tokens, temperature=temperature,
+            batch_size=batch_size, seed=seed + start, progress=progress, drafter=chosen,
+            shared_prefix=shared_prefix,
+        )  # fmt: skip
+        tokens.extend(done)
+        per_batch.extend(batches)
+        return np.sum([b["accept_hist"] for b in batches], axis=0)
+
+    decided = auto_run(target, drafter, settings, len(prompt_ids), run)
+    choice = decided.final
     width = max(len(b["accept_hist"]) for b in per_batch)
     for b in per_batch:
         b["accept_hist"] = list(b["accept_hist"]) + [0] * (width - len(b["accept_hist"]))
@@ -205,8 +189,13 @@ def run_auto(
         b["auto_predicted_trees"] = {
             n: {"tau": t, "speedup": x} for n, (t, x) in choice.predicted_trees.items()
         }
-        if probed:
-            b["auto_probe"] = probed
+        if decided.probe:
+            b["auto_probe"] = {
+                "prompts": decided.probe,
+                "block_size": decided.first.block_size,
+                "tree_budget": decided.first.tree_budget,
+                "acceptance_scale": decided.acceptance_scale,
+            }
     return tokens, per_batch
 
 

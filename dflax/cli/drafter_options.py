@@ -1,8 +1,8 @@
-"""Drafters for `generate`: loaded from the options with one clear error, and the auto block-size chooser."""
+"""Drafters for `generate`: loaded from the options with one clear error."""
 
 from __future__ import annotations
 
-from dflax.cli.common import console, fail
+from dflax.cli.common import fail
 
 
 def load_drafter_or_fail(
@@ -79,35 +79,3 @@ def load_diffuspec_or_fail(
         return load_diffuspec(drafter, loaded, WindowSetting.parse(window or "auto"), refine_steps, cps)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-
-
-def auto_chooser(loaded, records, batch_size: int, max_new_tokens: int, trees: bool, static: bool, sampling):
-    """choose(drafter) -> (the drafter at the cost model's block size (or tree budget, with `trees`) for
-    this run (static batches or continuous batching, under the target's `sampling`), or None (plain
-    decoding); the choice); it says which."""
-    from dflax.generation import encode_prompt
-    from dflax.planning.cost_curve import auto_block_size
-    from dflax.runtime.shapes import cache_slots, prompt_bucket
-
-    lengths = sorted(len(encode_prompt(loaded, r.prompt)) for r in records) or [1]
-    median = lengths[len(lengths) // 2]
-
-    def choose(drafter):
-        try:
-            with console.status("block size auto: timing decode steps (once per machine and shape) ..."):
-                chosen, choice = auto_block_size(
-                    loaded,
-                    drafter,
-                    min(batch_size, max(len(records), 1)),
-                    median + max_new_tokens // 2,  # the median prompt, half-way through
-                    trees,
-                    slots=cache_slots(prompt_bucket(median), max_new_tokens, None),
-                    static_tokens=max_new_tokens if static else None,
-                    sampling=sampling,
-                )
-        except ValueError as e:
-            fail(str(e))
-        console.print(choice.describe())
-        return chosen, choice
-
-    return choose

@@ -37,7 +37,7 @@ from dflax.cli.common import (
     load_target_or_fail,
     read_system_prompt,
 )
-from dflax.cli.drafter_options import auto_chooser, load_diffuspec_or_fail, load_drafter_or_fail
+from dflax.cli.drafter_options import load_diffuspec_or_fail, load_drafter_or_fail
 from dflax.cli.totals import RunTotals
 
 
@@ -117,6 +117,7 @@ def generate(
 ) -> None:
     """Generate completions for prompts given as arguments or in a JSONL file."""
     from dflax.generation import generate as run_generate
+    from dflax.planning.auto import uses_auto
     from dflax.prompts import (
         PromptRecord,
         completed_ids,
@@ -193,42 +194,27 @@ def generate(
         console.print(f"{out}: {len(records) - len(todo)} of {len(records)} prompts already done, resuming")
 
     fixed_block = block_size_value(block_size) if block_size else None
+    fixed = fixed_block if fixed_block != "auto" else None
     loaded = load_target_or_fail(target, dtype, mesh)
     if method == "diffuspec":
         spec_drafter = load_diffuspec_or_fail(
             drafter, loaded, window, refine_steps, cps, block_size, tree_budget, draft_sampling
         )
     else:
-        fixed = fixed_block if fixed_block != "auto" else None
         spec_drafter = load_drafter_or_fail(
             method, drafter, loaded, fixed, draft_sampling, temperature, tree_budget, min_match
         )
     # static batches on a mesh and with shared prefixes
     refills = None if mesh or shared_prefix == "auto" else refill_every or None
-    chains = method in ("dflash", "dart") and not tree_budget
-    if fixed_block == "auto" and not chains:
+    try:
+        auto = uses_auto(spec_drafter, fixed_block, tree_budget)
+    except ValueError:
         fail(
             "--block-size auto chooses a DFlash or DART chain or tree itself; with lookup or --tree-budget N "
             "give --block-size B"
         )
-    probe = 0  # prompts decoded before auto chooses again with the acceptance they showed
-    if chains and (fixed_block == "auto" or (fixed_block is None and spec_drafter.accept)):
-        if coordinator is not None:  # each process would time its own steps and might choose another B
-            fail("--block-size auto times this machine's decode steps; give every process --block-size B")
-        import numpy as np
-
-        from dflax.planning.cost_curve import probe_size, scaled_to_probe
-
-        trees = tree_budget is None  # --tree-budget 0 asks for chains
-        from dflax.decoding.sampling import SamplingParams
-
-        sampling = SamplingParams.make(temperature, top_k, top_p)  # as run_generate decodes
-        choose = auto_chooser(
-            loaded, todo, batch_size, max_new_tokens, trees, static=refills is None, sampling=sampling
-        )
-        unchosen, (spec_drafter, first_choice) = spec_drafter, choose(spec_drafter)
-        if spec_drafter is not None:  # plain decoding measures no acceptance
-            probe = probe_size(min(batch_size, len(todo)), len(todo))
+    if auto and coordinator is not None:  # each process would time its own steps and might choose another B
+        fail("--block-size auto times this machine's decode steps; give every process --block-size B")
     sink = None
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -251,12 +237,8 @@ def generate(
         with progress:
             task = progress.add_task("generate", total=len(todo), rate="compiling ...")
 
-            probe_hist = []
-
             def on_result(i, result):
                 record = todo[i]
-                if i < probe:
-                    probe_hist.append(result.stats["accept_hist"])
                 if sink and (coordinator is None or shard_of(record.id, num_processes) == process_id):
                     sink.write(result_line(record.id, result) + "\n")
                     sink.flush()
@@ -267,28 +249,34 @@ def generate(
                 totals.add(result.stats)
                 progress.update(task, advance=1, rate=totals.rate())
 
-            for start, end in ((0, probe), (probe, len(todo))) if probe else ((0, len(todo)),):
-                if start:  # auto again, from the acceptance the first prompts showed
-                    hist = np.sum(probe_hist, axis=0)
-                    measured, _ = scaled_to_probe(
-                        unchosen, hist, first_choice.block_size, first_choice.tree_budget
-                    )
-                    spec_drafter, _ = choose(measured)
-                run_generate(
-                    loaded,
-                    [r.prompt for r in todo[start:end]],
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    batch_size=batch_size,
-                    truncate=truncate,
-                    row_seeds=[row_seed(seed, r.id) for r in todo[start:end]],
-                    on_result=lambda i, result, start=start: on_result(start + i, result),
-                    drafter=spec_drafter,
-                    refill_every=refills,
-                    shared_prefix=shared_prefix,
-                )
+            def on_plan(event, choice):
+                if event == "timing":
+                    timing = "block size auto: timing decode steps (once per machine and shape) ..."
+                    progress.update(task, rate=timing)
+                    if progress.disable:
+                        console.print(timing)
+                    return
+                console.print(choice.describe())
+                totals.speculative = choice.block_size is not None
+
+            run_generate(
+                loaded,
+                [r.prompt for r in todo],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                batch_size=batch_size,
+                truncate=truncate,
+                row_seeds=[row_seed(seed, r.id) for r in todo],
+                on_result=on_result,
+                drafter=spec_drafter,
+                tree_budget=tree_budget if spec_drafter is not None else None,
+                block_size="auto" if auto else fixed,
+                refill_every=refills,
+                shared_prefix=shared_prefix,
+                on_plan=on_plan,
+            )
     except ValueError as e:
         fail(str(e))
     finally:

@@ -12,7 +12,6 @@ import pytest
 from typer.testing import CliRunner
 
 import dflax
-from dflax import cost_curve, projection
 from dflax.cli import app
 from dflax.decoding.sampling import SamplingParams
 from dflax.drafters import (
@@ -23,6 +22,7 @@ from dflax.drafters import (
     measured_rank_acceptance,
 )
 from dflax.drafters.dart import DartConfig
+from dflax.planning import cost_curve, projection
 from dflax.planning.block_size import (
     choose_block_size,
     expected_square,
@@ -323,6 +323,43 @@ def test_generate_auto_chooses_again_after_the_first_prompts(tmp_path, tiny, pri
     assert CliRunner().invoke(app, [*args, "--method", "ar", "--out", str(plain)]).exit_code == 0
     read = lambda path: {r["id"]: r["tokens"] for r in map(json.loads, path.read_text().splitlines())}  # noqa: E731
     assert read(spec) == read(plain) and sorted(read(spec)) == list(range(6))
+
+
+def test_the_api_chooses_as_the_cli_does(tmp_path, tiny, priced_steps):
+    """`dflax.generate(target, prompts, drafter=d)` runs auto by default for a drafter that recorded its
+    acceptance, and makes the CLI's choices (the same lines, in the same order) with the same outputs;
+    block_size=B keeps B."""
+    target, drafter = tiny
+    directory, prompts = drafter_claiming(tmp_path, drafter, 1.0), prompt_file(tmp_path, 6)
+    args = ["generate", "--target", target.name, "--prompts", str(prompts), "--max-new-tokens", "8"]
+    args += ["--batch-size", "1", "--method", "dflash", "--drafter", str(directory)]
+    out = tmp_path / "cli.jsonl"
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    cli_choices = [line for line in result.output.splitlines() if line.startswith("block size auto:")]
+    api_choices, events = [], []
+
+    def on_plan(event, choice):
+        events.append(event)
+        if choice is not None:
+            api_choices.append(choice.describe())
+
+    claimed = load_drafter(directory, target)
+    texts = [f"w{5 + i} w6" for i in range(6)]
+    results = dflax.generate(target, texts, drafter=claimed, max_new_tokens=8, batch_size=1, on_plan=on_plan)
+    assert api_choices == cli_choices and len(api_choices) == 2
+    assert events == ["timing", "chosen", "timing", "chosen"]
+    cli_tokens = {r["id"]: r["tokens"] for r in map(json.loads, out.read_text().splitlines())}
+    assert [r.tokens for r in results] == [cli_tokens[i] for i in range(6)]
+    events.clear()
+    fixed = dflax.generate(
+        target, texts, drafter=claimed, max_new_tokens=8, batch_size=1, block_size=4, on_plan=on_plan
+    )
+    assert events == [] and all(len(r.stats["accept_hist"]) == 4 + 1 for r in fixed)  # B + 1 counts
+    with pytest.raises(ValueError, match="chooses a DFlash or DART chain"):
+        dflax.generate(target, texts, drafter=dflax.prompt_lookup(4), block_size="auto")
+    with pytest.raises(ValueError, match="need a drafter"):
+        dflax.generate(target, texts, block_size=4)
 
 
 def test_acceptance_is_read_from_training_json(tmp_path):

@@ -427,7 +427,14 @@ def test_training_with_a_draft_vocabulary_and_distillation_exports_it(target, pr
     responses = [(ids[:64], p) for ids, p in sequences[:32]]  # as truncated to max_seq_len
     np.testing.assert_array_equal(drafter.proposer.draft_vocab, frequent_tokens(responses, 64, 256))
     plain = dflax.generate(target, prompts[32:36], max_new_tokens=16, batch_size=4)
-    spec = dflax.generate(target, prompts[32:36], max_new_tokens=16, batch_size=4, drafter=drafter)
+    spec = dflax.generate(
+        target,
+        prompts[32:36],
+        max_new_tokens=16,
+        batch_size=4,
+        drafter=drafter,
+        block_size=drafter.trained_block_size,
+    )
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
 
     # A warm start on another slice keeps its parent's vocabulary with draft_vocab_from 'warm_start'
@@ -530,7 +537,14 @@ def test_exported_drafter_decodes_losslessly(target, prompts, overfit):
     assert drafter.config.block_size == 8
     held_out = prompts[32:40]
     plain = dflax.generate(target, held_out, max_new_tokens=32, batch_size=8)
-    spec = dflax.generate(target, held_out, max_new_tokens=32, batch_size=8, drafter=drafter)
+    spec = dflax.generate(
+        target,
+        held_out,
+        max_new_tokens=32,
+        batch_size=8,
+        drafter=drafter,
+        block_size=drafter.trained_block_size,
+    )
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     taus = [r.stats["tau"] for r in spec]
     print(f"decode tau with the trained drafter: mean {np.mean(taus):.2f}")
