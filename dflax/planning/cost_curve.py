@@ -19,7 +19,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,7 +31,11 @@ from dflax.decoding.sampling import SamplingParams
 from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
 from dflax.paths import cache_dir
-from dflax.planning.block_size import BlockSizeChoice, choose_block_size, expected_tau
+from dflax.planning.block_size import (
+    BlockSizeChoice,
+    choose_block_size,
+    expected_tau,
+)
 from dflax.planning.roofline import machine_facts, median_time
 from dflax.planning.tree_budget import tree_commit_moments
 from dflax.target import Target
@@ -41,19 +45,35 @@ PROBE_PROMPTS = 4  # prompts (whole batches, at least) decoded before auto choos
 AUTO_BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16)
 AUTO_TREE_BUDGETS = (4, 6, 8, 12, 16, 32, 64)  # on a 2-core CPU the best trees have 6-8 nodes
 _SLOT_MARGIN = 64
+# The steps auto times (`auto_block_size`): first plain decoding and two chains (one row: B = 4 and 8, where
+# a step's cost hardly grows until the block outgrows the weight pass; more rows: B = 2 and 4, where
+# speculation still has a chance); then B = 8 and 16 when a chain longer than any timed one, priced along
+# the timed chains' last segment, is predicted best, and one tree of 8 nodes when a tree, priced as the
+# chain verifying as many tokens, is. Every other candidate's step is interpolated between timed ones,
+# linearly in the tokens it verifies. Each timed step compiles a program of its own (2 s to trace and
+# lower, 3.5 s to compile for SmolLM2 on the 2-core CPU): timing all 15 candidates took 200 s at batch 1
+# before a run could start.
+FIRST_TIMED_BLOCK_SIZES = {True: (4, 8), False: (2, 4)}  # by whether the run decodes one row
+LATER_TIMED_BLOCK_SIZES = (8, 16)
+TIMED_TREE_BUDGETS = (8,)
 # Decode steps per timed call; a step is priced as a proposer's fastest call over the rounds divided by this
 # count. A shared 2-core host slows calls by 10-20% for seconds at a time: the difference of two calls'
 # medians (16 less 8 steps, up to version 5) put a bf16 SmolLM2 8-node tree's step at 1.85-2.29 plain
 # steps in four repeats (the real loop: 1.85) and a 6-token chain's at 1.73-2.03, which once ranked that
 # chain above the tree that then ran 13% faster. The fastest call put them at 1.84-1.85 and 1.63-1.72.
-_STEPS_PER_CALL = 24
+_STEPS_PER_CALL = 6  # at one row; fewer for more rows (`_steps_per_call`), whose steps take longer
+AUTO_REPS = 3
+# Draft tokens every timing state holds, whatever its proposers draft: one state shape for every stage of
+# auto's timing, so a program compiled in one stage (plain decoding's) serves the next.
+_STATE_DRAFTS = max(AUTO_TREE_BUDGETS)
 # Part of the cost cache's key: raised when what a decode step runs, or how it is timed, changes without a
 # kernel's source changing (2: a 16-bit target's steps attend through the CPU kernel over their float32
 # cache; 3: a step is the difference of calls of 8 and 4 steps, without a call's loop-invariant work; 4:
 # greedy picks and DFlash's and DART's greedy drafts by `first_argmax`; 5: RMSNorm's pairwise row sum and
 # RoPE's separate angles, which make a verify block's rows compute as decode steps do; 6: the fastest call
-# of 24 steps, in place of the difference of two calls' medians).
-_STEP_PROGRAM_VERSION = 6
+# of 24 steps, in place of the difference of two calls' medians; 7: the fastest of 4 calls of 8 steps, in
+# stages of a few candidates).
+_STEP_PROGRAM_VERSION = 7
 
 
 def _cache_at(target: Target, rows: int, slots: int, context: int) -> KVCache:
@@ -120,6 +140,27 @@ def draft_time(target: Target, drafter, rows: int, context: int, slots: int, rep
     return median_time(draft, drafter.params, target.params, state, keys, reps=reps)
 
 
+def _steps_per_call(rows: int) -> int:
+    """Decode steps per timed call: `_STEPS_PER_CALL` at one row, fewer (at least 2) for more rows."""
+    return max(2, _STEPS_PER_CALL // rows)
+
+
+@functools.lru_cache(maxsize=32)
+def _step_loop(module: Transformer, proposer: Proposer | None, rows: int, context: int) -> Callable:
+    """The jitted call of `_steps_per_call(rows)` decode steps that each start from `context` tokens, kept per
+    (target module, proposer, rows, context): auto's later stages reuse what its first one compiled."""
+
+    def several_steps(params, dparams, state, sampling):
+        def body(_, s):  # every step starts from `context` tokens, as the first one does
+            s = _at_length(s, context).replace(num_generated=jnp.ones((rows,), jnp.int32))
+            return decode_step(module, params, s, sampling, dparams, proposer)
+
+        return jax.lax.fori_loop(0, _steps_per_call(rows), body, state)
+
+    # Inside one program, as in the decode loop: no dispatch per step, the cache updated in place.
+    return jax.jit(several_steps, donate_argnums=(2,))
+
+
 def step_times(
     target: Target,
     drafter_params: Any,
@@ -140,15 +181,16 @@ def step_times(
 
     The proposers share one drafter's parameters and state layout (chains and trees of one DFlash or DART
     drafter). The steps are timed in `reps` rounds that each run every proposer once, so a load that comes
-    and goes on the machine slows them alike. A proposer's time is its fastest call of `_STEPS_PER_CALL`
+    and goes on the machine slows them alike. A proposer's time is its fastest call of `_steps_per_call`
     steps, divided by that count: a load that slows some calls then moves no price. The call's
     loop-invariant work (XLA hoists it out of the loop, e.g. a bf16 embedding table's uint16 view) is
-    counted once per call, as a decode loop counts it once per batch: over 24 steps it adds the same
-    amount to every price (bf16 SmolLM2 at batch 1: about 0.7 ms a step, 5% of a plain step). Before each
-    step the lengths go back to `context`.
+    counted once per call, as a decode loop counts it once per batch: it adds the same amount to every
+    price (bf16 SmolLM2 at batch 1, over calls of 24 steps: about 0.7 ms a step, 5% of a plain step).
+    Before each step the lengths go back to `context`. The jitted calls are kept per proposer
+    (`_step_loop`), so timing a proposer again compiles nothing.
     """
     drafting = [p for p in proposers.values() if p is not None]
-    most = max((p.num_draft for p in drafting), default=0)
+    most = max([_STATE_DRAFTS, *(p.num_draft for p in drafting)])
     dstate = drafting[0].init_state(rows, slots, target.cache_dtype) if drafting else None
     state = DecodeState(
         cache=_cache_at(target, rows, slots, context),
@@ -163,25 +205,13 @@ def step_times(
         accept_hist=jnp.zeros((rows, most + 2), jnp.int32),
     )
     sampling = SamplingParams.make() if sampling is None else sampling
-
-    def loop(proposer):
-        def several_steps(params, dparams, state):
-            def body(_, s):  # every step starts from `context` tokens, as the first one does
-                s = _at_length(s, context).replace(num_generated=jnp.ones((rows,), jnp.int32))
-                return decode_step(target.module, params, s, sampling, dparams, proposer)
-
-            return jax.lax.fori_loop(0, _STEPS_PER_CALL, body, state)
-
-        # Inside one program, as in the decode loop: no dispatch per step, the cache updated in place.
-        return jax.jit(several_steps, donate_argnums=(2,))
-
-    loops = {key: loop(p) for key, p in proposers.items()}
+    loops = {key: _step_loop(target.module, p, rows, context) for key, p in proposers.items()}
 
     def call(key) -> float:
         nonlocal state, dstate
         start = state.replace(drafter_state=None if proposers[key] is None else dstate)
         t0 = time.perf_counter()
-        state = jax.block_until_ready(loops[key](target.params, drafter_params, start))
+        state = jax.block_until_ready(loops[key](target.params, drafter_params, start, sampling))
         elapsed = time.perf_counter() - t0
         if state.drafter_state is not None:
             dstate = state.drafter_state
@@ -193,7 +223,7 @@ def step_times(
     for _ in range(reps):
         for key in proposers:
             times[key].append(call(key))
-    return {key: min(t) / _STEPS_PER_CALL for key, t in times.items()}
+    return {key: min(t) / _steps_per_call(rows) for key, t in times.items()}
 
 
 def measure_cost_curve(
@@ -240,17 +270,18 @@ def step_costs(
     context: int,
     slots: int,
     candidates: Sequence[int],
-    reps: int = 7,
+    reps: int = AUTO_REPS,
     tree_budgets: Sequence[int] = (),
     sampling: SamplingParams | None = None,
 ) -> dict[str, Any]:
     """{"plain_s": s, "chain_s": {B: s}, "tree_s": {N: s}}: seconds of one decode step of plain decoding,
     of chains of the block sizes `candidates` and of trees of `tree_budgets` nodes over the largest
-    candidate block (`step_times`), at `rows` rows, about `context` tokens, `slots` cache slots and the
-    target's `sampling` (None = greedy); measured once per machine, target, drafter architecture, draft
-    sampling, target sampling and shape, then read from dflax's cache directory."""
+    candidate block (without candidates, over the drafter's own block; `step_times`), at `rows` rows,
+    about `context` tokens, `slots` cache slots and the target's `sampling` (None = greedy); measured once
+    per machine, target, drafter architecture, draft sampling, target sampling and shape, then read from
+    dflax's cache directory."""
     sampling = SamplingParams.make() if sampling is None else sampling
-    context = 1 << max(5, (context - 1).bit_length())  # a power of two: one measurement per octave
+    context = _pow2_context(context)
     slots = max(slots, context + max([*candidates, *(n + 1 for n in tree_budgets)]) + 1)
     key = {
         "machine": machine_facts(),
@@ -260,7 +291,7 @@ def step_costs(
         # Sampled drafts (block verification) and a target that samples cost more a step than greedy ones.
         "drafts_greedily": drafter.drafts_greedily,
         "sampling": [float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)],
-        "measure": f"fastest call of {_STEPS_PER_CALL} decode_steps, v{_STEP_PROGRAM_VERSION}",
+        "measure": f"fastest call of {_steps_per_call(rows)} decode_steps, v{_STEP_PROGRAM_VERSION}",
         "rows": rows,
         "context": context,
         "slots": slots,
@@ -276,7 +307,7 @@ def step_costs(
             "plain_s": stored["plain_s"],
             **{name: {int(k): v for k, v in stored[name].items()} for name in ("chain_s", "tree_s")},
         }
-    block = drafter.with_block_size(max(candidates))
+    block = drafter.with_block_size(max(candidates)) if candidates else drafter
     proposers = {("plain", 0): None}
     proposers.update({("chain", b): drafter.with_block_size(b).proposer for b in candidates})
     proposers.update({("tree", n): block.with_tree_budget(n).proposer for n in tree_budgets})
@@ -339,22 +370,115 @@ def auto_block_size(
     candidates = [b for b in AUTO_BLOCK_SIZES if b <= min(trained, len(drafter.accept) + 1)]
     tree_stats = drafter.rank_accept or drafter.tree_commits
     budgets = AUTO_TREE_BUDGETS if trees and drafter.drafts_greedily and tree_stats else ()
-    costs = step_costs(
-        target, drafter, rows, context, slots, candidates, tree_budgets=budgets, sampling=sampling
-    )
-    choice = choose_block_size(
-        drafter.accept,
-        costs["plain_s"],
-        costs["chain_s"],
-        rank_accept=drafter.rank_accept,
-        tree_s=costs["tree_s"],
-        rows=rows,
-        new_tokens=static_tokens,
-        tree_commits=drafter.tree_commits,
-    )
+    # One cache shape for every stage (step_costs widens `slots` to the largest step it times).
+    slots = max(slots, _pow2_context(context) + max([*candidates, *(n + 1 for n in budgets)]) + 1)
+    timed = _TimedSteps(target, drafter, rows, context, slots, sampling)
+    timed.time([b for b in FIRST_TIMED_BLOCK_SIZES[rows == 1] if b in candidates] or candidates[:1], ())
+
+    def choice_now(estimate_trees: bool = False) -> BlockSizeChoice:
+        chains = _interpolated(timed.chain_s, candidates, timed.plain_s)
+        if timed.tree_s:
+            tree_s = _interpolated_trees(timed, budgets, candidates)
+        elif estimate_trees:  # a tree of N nodes priced as the chain verifying N + 1 tokens
+            tokens = _interpolated(timed.chain_s, [n + 1 for n in budgets], timed.plain_s)
+            tree_s = {n: tokens[n + 1] for n in budgets}
+        else:
+            tree_s = {}
+        return choose_block_size(
+            drafter.accept,
+            timed.plain_s,
+            chains,
+            rank_accept=drafter.rank_accept,
+            tree_s=tree_s,
+            rows=rows,
+            new_tokens=static_tokens,
+            tree_commits=drafter.tree_commits,
+        )
+
+    # Larger chains are timed when their extrapolated step makes one of them the best; a tree when the
+    # chain verifying as many tokens, as its price, makes a tree the best.
+    later = [b for b in LATER_TIMED_BLOCK_SIZES if b in candidates and b > max(timed.chain_s)]
+    best = choice_now(estimate_trees=bool(budgets))
+    if later and not best.tree_budget and (best.block_size or 0) > max(timed.chain_s):
+        timed.time(later, ())
+        best = choice_now(estimate_trees=bool(budgets))
+    if budgets and best.tree_budget:
+        timed.time([], [n for n in TIMED_TREE_BUDGETS if n in budgets])
+    choice = choice_now(estimate_trees=bool(budgets))  # an untimed tree was never predicted best
     if choice.block_size is None:
         return None, choice
     return drafter.with_block_size(choice.block_size).with_tree_budget(choice.tree_budget), choice
+
+
+def _pow2_context(context: int) -> int:
+    """The context a step is timed at: a power of two (one measurement per octave), at least 32."""
+    return 1 << max(5, (context - 1).bit_length())
+
+
+class _TimedSteps:
+    """The steps auto has timed so far for one run shape: plain decoding's, and chains' and trees' in the
+    terms of the first stage's plain step (a later stage's times are scaled by the ratio of its own plain
+    step to the first one's, so load that changed between stages moves no price)."""
+
+    def __init__(self, target, drafter, rows, context, slots, sampling):
+        self.args = (target, drafter, rows, context, slots)
+        self.sampling = sampling
+        self.plain_s: float | None = None
+        self.chain_s: dict[int, float] = {}
+        self.tree_s: dict[int, float] = {}
+
+    def time(self, block_sizes: Sequence[int], tree_budgets: Sequence[int]) -> None:
+        """Times plain decoding, the chains of `block_sizes` and the trees of `tree_budgets` (over blocks of
+        the largest of `block_sizes`), through the cost cache."""
+        costs = step_costs(
+            *self.args, list(block_sizes), tree_budgets=tuple(tree_budgets), sampling=self.sampling
+        )
+        scale = 1.0 if self.plain_s is None else self.plain_s / costs["plain_s"]
+        self.plain_s = self.plain_s or costs["plain_s"]
+        self.chain_s.update({b: t * scale for b, t in costs["chain_s"].items() if b not in self.chain_s})
+        self.tree_s.update({n: t * scale for n, t in costs["tree_s"].items()})
+
+
+def _interpolated(timed: Mapping[int, float], sizes: Sequence[int], plain_s: float) -> dict[int, float]:
+    """Step seconds at every size of `sizes`: timed ones as timed, the others linear in the tokens verified
+    between the timed neighbours (plain decoding at one token), past the largest along the last segment."""
+    points = sorted({1: plain_s, **timed}.items())
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    out = {}
+    for size in sizes:
+        if size in timed:
+            out[size] = timed[size]
+        elif size <= xs[-1]:
+            out[size] = float(np.interp(size, xs, ys))
+        else:  # past the largest timed size: the last segment's slope, never below its end
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+            out[size] = ys[-1] + max(slope, 0.0) * (size - xs[-1])
+    return out
+
+
+def _interpolated_trees(
+    timed: _TimedSteps, budgets: Sequence[int], candidates: Sequence[int]
+) -> dict[int, float]:
+    """Step seconds of trees of every budget: a timed tree as timed, the others from the nearest timed tree
+    plus the chains' cost per verified token (a tree of N nodes verifies N + 1 tokens over the largest
+    block's draft); without a timed tree, none (their best case could not pay)."""
+    if not budgets or not timed.tree_s:
+        return {}
+    chains = _interpolated(timed.chain_s, candidates, timed.plain_s)
+    largest = max(candidates)
+    per_token = max((chains[largest] - timed.plain_s) / max(largest - 1, 1), 0.0)
+    out = {}
+    for n in budgets:
+        nearest = min(timed.tree_s, key=lambda m: abs(m - n))
+        out[n] = timed.tree_s.get(n, timed.tree_s[nearest] + per_token * (n - nearest))
+    return out
+
+
+def _tree_moments(drafter, candidates: Sequence[int], budgets: Sequence[int]) -> np.ndarray:
+    """[N + 1, 2] E[c] and E[c^2] of best-first trees (the drafter's simulated ones when recorded)."""
+    if drafter.tree_commits is not None:
+        return np.asarray(drafter.tree_commits, np.float64)
+    return tree_commit_moments(np.asarray(drafter.rank_accept)[: max(candidates) - 1], max(budgets))
 
 
 def probe_size(rows: int, prompts: int) -> int:
