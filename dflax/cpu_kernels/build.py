@@ -2,12 +2,14 @@
 
 The library is cached in dflax's cache directory (`cpu_kernels/`), named by a hash of the source, the
 headers beside it, the compiler flags and the jaxlib version, so a changed kernel, header or jaxlib
-rebuilds it and parallel processes (pytest workers) share one build. DFLAX_CPU_KERNELS=0 turns the
-kernels off (XLA's products everywhere), for comparisons.
+rebuilds it and parallel processes (pytest workers) share one build; `.ci/setup` builds them once
+(`python -m dflax.cpu_kernels`). DFLAX_CPU_KERNELS=0 turns the kernels off (XLA's products
+everywhere), for comparisons.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -64,6 +66,32 @@ def _compile(source: Path) -> Path:
     return library
 
 
+def kernel_sources() -> list[Path]:
+    """The C++ sources of every CPU kernel (beside this file)."""
+    return sorted(Path(__file__).parent.glob("*.cc"))
+
+
+@functools.cache
+def build_all() -> dict[str, str]:
+    """Builds every kernel not yet in the cache, side by side (one compiler per source: about 6.5 s each on
+    the 2-core CPU, so a first use waits for one build, not all of them in turn).
+
+    Returns:
+      {source name: the library's path, or why it was not built}.
+    """
+    if not cpu_has_avx2_fma():
+        return {source.name: "this CPU lacks AVX2/FMA" for source in kernel_sources()}
+
+    def build(source: Path) -> str:
+        try:
+            return str(_compile(source))
+        except RuntimeError as error:
+            return f"not built: {error}"
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(kernel_sources()) or 1) as pool:
+        return dict(zip((s.name for s in kernel_sources()), pool.map(build, kernel_sources())))
+
+
 @functools.cache
 def load_kernel(source: Path, symbols: tuple[str, ...]) -> bool:
     """Builds `source` (once), registers its FFI handlers `symbols` for the CPU, and says whether it worked.
@@ -73,6 +101,7 @@ def load_kernel(source: Path, symbols: tuple[str, ...]) -> bool:
     """
     if os.environ.get("DFLAX_CPU_KERNELS", "1") == "0" or not cpu_has_avx2_fma():
         return False
+    build_all()  # every kernel at once, the first time any is needed
     try:
         library = ctypes.cdll.LoadLibrary(str(_compile(source)))
     except (OSError, RuntimeError) as error:
