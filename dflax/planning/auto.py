@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from dflax.decoding.sampling import SamplingParams
+from dflax.planning import cost_curve
 from dflax.planning.block_size import BlockSizeChoice
 from dflax.planning.cost_curve import auto_block_size, probe_size, scaled_to_probe
 from dflax.runtime.shapes import cache_slots, prompt_bucket
@@ -22,7 +23,7 @@ from dflax.target import Target
 
 AUTO = "auto"
 
-# (event, choice): "timing" before the steps are timed (choice None), "chosen" with each choice made.
+# (event, choice): "timing" before steps may be timed (choice None), "chosen" with each choice made.
 PlanListener = Callable[[str, BlockSizeChoice | None], None]
 
 
@@ -59,6 +60,8 @@ class AutoSettings:
         continuous batching.
       trees: weigh draft trees too (else chains only).
       sampling: the target's sampling, under which steps are timed.
+      plain_steps: the plain decode steps the run would take (its prompts per row times the new tokens):
+        under `cost_curve.AUTO_MIN_STEPS` its steps are not timed (`auto_block_size(measure=False)`).
     """
 
     rows: int
@@ -67,6 +70,7 @@ class AutoSettings:
     static_tokens: int | None
     trees: bool
     sampling: SamplingParams
+    plain_steps: int
 
     @classmethod
     def for_run(
@@ -89,6 +93,7 @@ class AutoSettings:
             static_tokens=max_new_tokens if static else None,
             trees=trees,
             sampling=sampling,
+            plain_steps=-(-len(prompt_lengths) // max(batch_size, 1)) * max_new_tokens,
         )
 
 
@@ -104,6 +109,7 @@ def choose(target: Target, drafter: Any, settings: AutoSettings) -> tuple[Any, B
         slots=settings.slots,
         static_tokens=settings.static_tokens,
         sampling=settings.sampling,
+        measure=settings.plain_steps >= cost_curve.AUTO_MIN_STEPS,
     )
 
 
@@ -142,14 +148,15 @@ def run_auto(
       num_prompts: the run's prompts.
       run: run(start, end, chosen) decodes prompts [start, end) with `chosen` (None: plain decoding) and
         returns their steps by tokens committed, summed over the prompts (`accept_hist`).
-      on_plan: told ("timing", None) before each choice and ("chosen", choice) after it.
+      on_plan: told ("timing", None) before each choice that may time steps (a run long enough) and
+        ("chosen", choice) after each choice.
 
     Raises:
       ValueError: when the drafter has no measured acceptance.
     """
 
     def decide(candidate):
-        if on_plan:
+        if on_plan and settings.plain_steps >= cost_curve.AUTO_MIN_STEPS:
             on_plan("timing", None)
         chosen, choice = choose(target, candidate, settings)
         if on_plan:

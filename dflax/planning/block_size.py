@@ -111,25 +111,30 @@ class BlockSizeChoice:
       predicted: {B: (tau, predicted speedup over plain decoding)} for every candidate chain.
       tree_budget: the chosen tree's node budget N over blocks of `block_size`, or 0 for a chain.
       predicted_trees: {N: (tau, predicted speedup)} for every candidate tree (empty without tree stats).
+      untimed: why the steps were not timed on this machine (the choice then came from a prior), or "".
     """
 
     block_size: int | None
     predicted: dict[int, tuple[float, float]]
     tree_budget: int = 0
     predicted_trees: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    untimed: str = ""
 
     def describe(self) -> str:
         """One line for a user: the choice and why."""
         options = {f"B={b}": p for b, p in self.predicted.items()}
         options.update({f"a tree of {n} nodes": p for n, p in self.predicted_trees.items()})
+        why = f" ({self.untimed}: a CPU prior)" if self.untimed else ""
+        if not options:
+            return f"block size auto: plain decoding{why}"
         best = max(options, key=lambda name: options[name][1])
         tau, speedup = options[best]
         if self.block_size is None:
             return (
                 f"block size auto: plain decoding (no block size or tree pays; best predicted {best}: "
-                f"tau {tau:.2f}, {speedup:.2f}x)"
+                f"tau {tau:.2f}, {speedup:.2f}x){why}"
             )
-        return f"block size auto: {best} (predicted tau {tau:.2f}, {speedup:.2f}x over plain decoding)"
+        return f"block size auto: {best} (predicted tau {tau:.2f}, {speedup:.2f}x over plain decoding){why}"
 
 
 def _nondecreasing(costs: Mapping[int, float], floor: float) -> dict[int, float]:

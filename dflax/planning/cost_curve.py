@@ -56,6 +56,14 @@ _SLOT_MARGIN = 64
 FIRST_TIMED_BLOCK_SIZES = {True: (4, 8), False: (2, 4)}  # by whether the run decodes one row
 LATER_TIMED_BLOCK_SIZES = (8, 16)
 TIMED_TREE_BUDGETS = (8,)
+# A run of fewer plain steps than this (its prompts per row times its new tokens) is not timed: timing
+# costs 20-30 s, what 700-1,000 plain steps of SmolLM2 take at one row on the 2-core CPU, and a short run
+# cannot win that back. It reads cached timings, or else decides from the prior below.
+AUTO_MIN_STEPS = 1024
+# A decode step's seconds over a plain step's, per block size, at one row: SmolLM2 fp32 with its shipped
+# drafter on the 2-core Xeon (plain 29.4 ms; B=2 35.2, 4 36.8, 8 45.0, 16 60.1 ms). At 8 and 32 rows the
+# same timings predict 1.13x at best and nothing that pays: the prior decodes plainly there.
+PRIOR_CHAIN_COSTS = {2: 1.20, 4: 1.25, 8: 1.53, 16: 2.04}
 # Decode steps per timed call; a step is priced as a proposer's fastest call over the rounds divided by this
 # count. A shared 2-core host slows calls by 10-20% for seconds at a time: the difference of two calls'
 # medians (16 less 8 steps, up to version 5) put a bf16 SmolLM2 8-node tree's step at 1.85-2.29 plain
@@ -273,13 +281,14 @@ def step_costs(
     reps: int = AUTO_REPS,
     tree_budgets: Sequence[int] = (),
     sampling: SamplingParams | None = None,
-) -> dict[str, Any]:
+    cached_only: bool = False,
+) -> dict[str, Any] | None:
     """{"plain_s": s, "chain_s": {B: s}, "tree_s": {N: s}}: seconds of one decode step of plain decoding,
     of chains of the block sizes `candidates` and of trees of `tree_budgets` nodes over the largest
     candidate block (without candidates, over the drafter's own block; `step_times`), at `rows` rows,
     about `context` tokens, `slots` cache slots and the target's `sampling` (None = greedy); measured once
     per machine, target, drafter architecture, draft sampling, target sampling and shape, then read from
-    dflax's cache directory."""
+    dflax's cache directory. With `cached_only`, None when the cache does not hold them (nothing is timed)."""
     sampling = SamplingParams.make() if sampling is None else sampling
     context = _pow2_context(context)
     slots = max(slots, context + max([*candidates, *(n + 1 for n in tree_budgets)]) + 1)
@@ -307,6 +316,8 @@ def step_costs(
             "plain_s": stored["plain_s"],
             **{name: {int(k): v for k, v in stored[name].items()} for name in ("chain_s", "tree_s")},
         }
+    if cached_only:
+        return None
     block = drafter.with_block_size(max(candidates)) if candidates else drafter
     proposers = {("plain", 0): None}
     proposers.update({("chain", b): drafter.with_block_size(b).proposer for b in candidates})
@@ -334,6 +345,7 @@ def auto_block_size(
     slots: int = 0,
     static_tokens: int | None = None,
     sampling: SamplingParams | None = None,
+    measure: bool = True,
 ) -> tuple[Any, BlockSizeChoice]:
     """The drafter at the block size (or tree budget) the cost model predicts fastest, or None for plain
     decoding.
@@ -353,6 +365,8 @@ def auto_block_size(
         batch waits for its slowest row: `dflax.planning.block_size`); None for continuous batching.
       sampling: the run's target sampling (None = greedy); steps are timed under it, with the drafter's
         own draft sampling (sampled drafts and block verification at T > 0 cost more than greedy steps).
+      measure: time steps the cost cache lacks; False reads only the cache, and without the first stage
+        there decides from `PRIOR_CHAIN_COSTS` (chains at one row on a CPU; plain decoding otherwise).
 
     Returns:
       (the drafter at the chosen block size and tree budget, or None; the choice with its predictions).
@@ -372,8 +386,10 @@ def auto_block_size(
     budgets = AUTO_TREE_BUDGETS if trees and drafter.drafts_greedily and tree_stats else ()
     # One cache shape for every stage (step_costs widens `slots` to the largest step it times).
     slots = max(slots, _pow2_context(context) + max([*candidates, *(n + 1 for n in budgets)]) + 1)
-    timed = _TimedSteps(target, drafter, rows, context, slots, sampling)
+    timed = _TimedSteps(target, drafter, rows, context, slots, sampling, measure)
     timed.time([b for b in FIRST_TIMED_BLOCK_SIZES[rows == 1] if b in candidates] or candidates[:1], ())
+    if timed.plain_s is None:  # not timed and not cached
+        return _prior_choice(drafter, candidates, rows, static_tokens)
 
     def choice_now(estimate_trees: bool = False) -> BlockSizeChoice:
         chains = _interpolated(timed.chain_s, candidates, timed.plain_s)
@@ -420,19 +436,27 @@ class _TimedSteps:
     terms of the first stage's plain step (a later stage's times are scaled by the ratio of its own plain
     step to the first one's, so load that changed between stages moves no price)."""
 
-    def __init__(self, target, drafter, rows, context, slots, sampling):
+    def __init__(self, target, drafter, rows, context, slots, sampling, measure):
         self.args = (target, drafter, rows, context, slots)
         self.sampling = sampling
+        self.measure = measure
         self.plain_s: float | None = None
         self.chain_s: dict[int, float] = {}
         self.tree_s: dict[int, float] = {}
 
     def time(self, block_sizes: Sequence[int], tree_budgets: Sequence[int]) -> None:
         """Times plain decoding, the chains of `block_sizes` and the trees of `tree_budgets` (over blocks of
-        the largest of `block_sizes`), through the cost cache."""
+        the largest of `block_sizes`), through the cost cache; without `measure`, only what it holds."""
+        cached_only = {} if self.measure else {"cached_only": True}
         costs = step_costs(
-            *self.args, list(block_sizes), tree_budgets=tuple(tree_budgets), sampling=self.sampling
+            *self.args,
+            list(block_sizes),
+            tree_budgets=tuple(tree_budgets),
+            sampling=self.sampling,
+            **cached_only,
         )
+        if costs is None:
+            return
         scale = 1.0 if self.plain_s is None else self.plain_s / costs["plain_s"]
         self.plain_s = self.plain_s or costs["plain_s"]
         self.chain_s.update({b: t * scale for b, t in costs["chain_s"].items() if b not in self.chain_s})
@@ -479,6 +503,20 @@ def _tree_moments(drafter, candidates: Sequence[int], budgets: Sequence[int]) ->
     if drafter.tree_commits is not None:
         return np.asarray(drafter.tree_commits, np.float64)
     return tree_commit_moments(np.asarray(drafter.rank_accept)[: max(candidates) - 1], max(budgets))
+
+
+def _prior_choice(drafter, candidates: Sequence[int], rows: int, static_tokens: int | None):
+    """auto's choice for a run too short to time its steps and without cached timings: at one row on a
+    CPU, the chain `PRIOR_CHAIN_COSTS` predicts fastest; otherwise plain decoding."""
+    reason = "a short run, not timed"
+    if rows > 1 or jax.default_backend() != "cpu":
+        return None, BlockSizeChoice(None, {}, untimed=reason)
+    chains = _interpolated(PRIOR_CHAIN_COSTS, candidates, 1.0)
+    choice = choose_block_size(drafter.accept, 1.0, chains, rows=rows, new_tokens=static_tokens)
+    choice = dataclasses.replace(choice, untimed=reason)
+    if choice.block_size is None:
+        return None, choice
+    return drafter.with_block_size(choice.block_size), choice
 
 
 def probe_size(rows: int, prompts: int) -> int:

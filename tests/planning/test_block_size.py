@@ -23,6 +23,7 @@ from dflax.drafters import (
 )
 from dflax.drafters.dart import DartConfig
 from dflax.planning import cost_curve, projection
+from dflax.planning.auto import AutoSettings
 from dflax.planning.block_size import (
     choose_block_size,
     expected_square,
@@ -109,6 +110,13 @@ def test_static_batches_pay_for_waiting_on_their_slowest_row():
     for b in chains:
         tau, speedup = batch.predicted[b]
         assert tau == alone.predicted[b][0] and speedup < alone.predicted[b][1]
+
+
+@pytest.fixture(autouse=True)
+def runs_are_timed(monkeypatch):
+    """The runs here are short (a few prompts of a few tokens): time their steps all the same, as a long
+    run's are (`test_a_short_run_is_not_timed` covers short runs)."""
+    monkeypatch.setattr(cost_curve, "AUTO_MIN_STEPS", 0)
 
 
 @pytest.fixture(scope="module")
@@ -360,6 +368,29 @@ def test_the_api_chooses_as_the_cli_does(tmp_path, tiny, priced_steps):
         dflax.generate(target, texts, drafter=dflax.prompt_lookup(4), block_size="auto")
     with pytest.raises(ValueError, match="need a drafter"):
         dflax.generate(target, texts, block_size=4)
+
+
+def test_a_short_run_is_not_timed(tiny, monkeypatch):
+    """Under AUTO_MIN_STEPS plain steps a run reads cached timings, or else takes the CPU prior: a chain
+    at one row, plain decoding at more; it never times a step."""
+    target, drafter = tiny
+    good = dataclasses.replace(drafter, accept=(0.9,) * 15)
+    monkeypatch.setattr(cost_curve, "AUTO_MIN_STEPS", 1024)
+    settings = AutoSettings.for_run([3] * 4, 1, 16, trees=True, static=True, sampling=SamplingParams.make())
+    assert settings.plain_steps == 64
+    measured = cost_curve.auto_block_size(target, good, rows=1, context=20, slots=settings.slots)[1]
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("a short run timed its steps")
+
+    monkeypatch.setattr(cost_curve, "step_times", must_not_measure)
+    cached = cost_curve.auto_block_size(target, good, rows=1, context=20, slots=settings.slots, measure=False)
+    assert cached[1] == measured and not cached[1].untimed  # read from the cache
+    chosen, prior = cost_curve.auto_block_size(target, good, rows=1, context=40, measure=False)
+    assert prior.untimed and prior.block_size == max(prior.predicted, key=lambda b: prior.predicted[b][1])
+    assert chosen.proposer.block_size == prior.block_size and "a CPU prior" in prior.describe()
+    chosen, prior = cost_curve.auto_block_size(target, good, rows=8, context=40, measure=False)
+    assert chosen is None and prior.untimed and prior.describe().startswith("block size auto: plain")
 
 
 def test_acceptance_is_read_from_training_json(tmp_path):
