@@ -84,7 +84,7 @@ def test_generate_takes_a_tree_budget(target):
     trees = dflax.generate(target, prompts, max_new_tokens=12, drafter=drafter, tree_budget=6)
     assert [r.tokens for r in trees] == [r.tokens for r in plain]
     assert all(len(r.stats["accept_hist"]) == 6 + 2 for r in trees)
-    with pytest.raises(ValueError, match="tree_budget needs a drafter"):
+    with pytest.raises(ValueError, match="tree_budget and block_size need a drafter"):
         dflax.generate(target, prompts, max_new_tokens=4, tree_budget=6)
 
 

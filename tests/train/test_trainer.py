@@ -33,8 +33,8 @@ from dflax.drafters.draft_vocab import frequent_tokens
 from dflax.models.cache import KVCache
 from dflax.models.transformer import Transformer
 from dflax.target import weights_fingerprint
-from dflax.train import objective, trainer
-from dflax.train.batches import batch_index, pad_sequences
+from dflax.train import objective, steps
+from dflax.train.batches import PaddedSequences, batch_index, pad_sequences
 from dflax.train.features import DeviceFeatures, FeatureCache, cache_features
 from dflax.train.report import METRICS, PLOT, TRAINING_RECORD
 from dflax.train.steps import feature_program
@@ -195,7 +195,7 @@ def test_bfloat16_compute_tracks_the_float32_step(target):
     config = dataclasses.replace(TINY, anchors_per_seq=12)
 
     def step(dtype):
-        loss_fn = trainer.dflash_loss_fn(proposer, config, dtype)
+        loss_fn = steps.dflash_loss_fn(proposer, config, dtype)
         grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
         return grad(params, target.params, batch, jax.random.key(0))
 
@@ -218,7 +218,7 @@ def test_a_batch_cut_to_its_length_bucket_gives_the_full_width_loss(target):
     rng = np.random.default_rng(7)
     max_len, lengths = 64, np.asarray([30, 17, 64, 21], np.int32)
     tokens = rng.integers(3, 256, (4, max_len)).astype(np.int32) * (np.arange(max_len) < lengths[:, None])
-    data = trainer.PaddedSequences(tokens, np.asarray([4, 6, 5, 3], np.int32), lengths)
+    data = PaddedSequences(tokens, np.asarray([4, 6, 5, 3], np.int32), lengths)
     packed = padded_features(target, tokens, lengths, proposer.tap_layers).astype(jnp.bfloat16)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     flat = np.concatenate([np.asarray(packed[i, :n]) for i, n in enumerate(lengths)]).view(np.uint16)
@@ -226,7 +226,7 @@ def test_a_batch_cut_to_its_length_bucket_gives_the_full_width_loss(target):
     assert [data.width(np.asarray(i), 16) for i in ([0, 1], [1, 3], [0, 2], [1, -1])] == [32, 32, 64, 32]
     assert data.width(np.asarray([0, 1]), 0) == max_len
     config = dataclasses.replace(TINY, anchors_per_seq=12, anchor_stride=2, length_bucket=16)
-    loss_fn = jax.jit(trainer.dflash_loss_fn(proposer, config))
+    loss_fn = jax.jit(steps.dflash_loss_fn(proposer, config))
     index = np.asarray([0, 1])
     cut = data.take(index, features, data.width(index, config.length_bucket))
     assert cut["tokens"].shape == (2, 32) and cut["features"].shape[:2] == (2, 32)
@@ -563,7 +563,7 @@ def test_features_computed_each_step_equal_the_cached_ones(target, sequences, ov
         taps=taps, compute=feature_program(target.module, taps, width, "float32"), rows=2 * TINY.batch_size,
         pack_tokens=width, progress=Progress(console=QUIET), should_stop=lambda: False,
     )  # fmt: skip
-    on_device = DeviceFeatures(trainer.batch_feature_program(target.module, taps, "float32"), target.params,
+    on_device = DeviceFeatures(steps.batch_feature_program(target.module, taps, "float32"), target.params,
                                data.tokens, data.lengths)  # fmt: skip
     for rows, bucket in (([3, -1, 0, 17], 0), ([5, 2], 16)):
         rows = np.asarray(rows)
