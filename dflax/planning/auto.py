@@ -17,7 +17,8 @@ import numpy as np
 from dflax.decoding.sampling import SamplingParams
 from dflax.planning import cost_curve
 from dflax.planning.block_size import BlockSizeChoice
-from dflax.planning.cost_curve import auto_block_size, probe_size, scaled_to_probe
+from dflax.planning.cost_curve import auto_block_size
+from dflax.planning.probe import probe_size, scaled_to_probe
 from dflax.runtime.shapes import cache_slots, prompt_bucket
 from dflax.target import Target
 

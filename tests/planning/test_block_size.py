@@ -22,7 +22,7 @@ from dflax.drafters import (
     measured_rank_acceptance,
 )
 from dflax.drafters.dart import DartConfig
-from dflax.planning import cost_curve, projection
+from dflax.planning import cost_curve, probe, projection
 from dflax.planning.auto import AutoSettings
 from dflax.planning.block_size import (
     choose_block_size,
@@ -238,27 +238,27 @@ def test_probe_acceptance_scales_the_held_out_acceptance(tiny):
     )
     # A B=4 chain: 10 steps committed 1 token, 6 two, 4 four. Drafts accepted: 6 + 4 * 3 = 18; the held-out
     # acceptance predicts 20 * 0.8 + 10 * 0.5 + 4 * 0.5 = 23 for the same steps reaching each draft.
-    measured, scale = cost_curve.scaled_to_probe(held_out, [0, 10, 6, 0, 4], 4)
+    measured, scale = probe.scaled_to_probe(held_out, [0, 10, 6, 0, 4], 4)
     assert scale == pytest.approx(18 / 23)
     np.testing.assert_allclose(measured.accept, np.asarray(held_out.accept) * 18 / 23)
     assert measured.rank_accept[0] == pytest.approx((0.8 * 18 / 23, 0.1 * 18 / 23))
-    better, scale = cost_curve.scaled_to_probe(held_out, [0, 0, 0, 0, 30], 4)  # every draft accepted
+    better, scale = probe.scaled_to_probe(held_out, [0, 0, 0, 0, 30], 4)  # every draft accepted
     assert scale == pytest.approx(90 / 54) and max(better.accept) == 1.0
     assert all(sum(row) <= 1 + 1e-9 for row in better.rank_accept)
-    assert cost_curve.scaled_to_probe(held_out, [0, 0, 0, 0, 0], 4) == (held_out, None)
+    assert probe.scaled_to_probe(held_out, [0, 0, 0, 0, 0], 4) == (held_out, None)
     # A 4-node tree over B=4 blocks that committed 1.5 tokens a step: the scale whose rank acceptance
     # predicts that tau for the same tree.
-    tree, scale = cost_curve.scaled_to_probe(held_out, [0, 5, 5, 0, 0, 0], 4, tree_budget=4)
+    tree, scale = probe.scaled_to_probe(held_out, [0, 5, 5, 0, 0, 0], 4, tree_budget=4)
     assert 0 < scale < 1 and tree.rank_accept[0] == pytest.approx((0.8 * scale, 0.1 * scale))
     assert tree_commit_moments(np.asarray(tree.rank_accept)[:3], 4)[4, 0] == pytest.approx(1.5, abs=1e-6)
     # The same tree with simulated commits: they scale to the probe's 1.5 tokens, the chain alike.
     curve = tuple((1 + 0.5 * min(n, 4), (1 + 0.5 * min(n, 4)) ** 2) for n in range(9))  # 3 tokens at 4
     simulated = dataclasses.replace(held_out, tree_commits=curve)
-    tree, scale = cost_curve.scaled_to_probe(simulated, [0, 5, 5, 0, 0, 0], 4, tree_budget=4)
+    tree, scale = probe.scaled_to_probe(simulated, [0, 5, 5, 0, 0, 0], 4, tree_budget=4)
     assert tree.tree_commits[4][0] == pytest.approx(1.5, abs=1e-6)  # drafts 2 -> 0.5: a quarter
     assert tree.tree_commits[2][0] == pytest.approx(1 + 1.0 / 4, abs=1e-6)
     assert expected_tau(tree.accept, 4) - 1 == pytest.approx((expected_tau(held_out.accept, 4) - 1) / 4)
-    assert [cost_curve.probe_size(r, n) for r, n in ((1, 40), (8, 40), (8, 8), (3, 10), (1, 4))] == [
+    assert [probe.probe_size(r, n) for r, n in ((1, 40), (8, 40), (8, 8), (3, 10), (1, 4))] == [
         4,
         8,
         0,
