@@ -418,7 +418,7 @@ def auto_block_size(
         timed.time(later, ())
         best = choice_now(estimate_trees=bool(budgets))
     if budgets and best.tree_budget:
-        timed.time([], [n for n in TIMED_TREE_BUDGETS if n in budgets])
+        timed.time([], [n for n in TIMED_TREE_BUDGETS if n in budgets], tree_block=max(candidates))
     choice = choice_now(estimate_trees=bool(budgets))  # an untimed tree was never predicted best
     if choice.block_size is None:
         return None, choice
@@ -443,12 +443,16 @@ class _TimedSteps:
         self.chain_s: dict[int, float] = {}
         self.tree_s: dict[int, float] = {}
 
-    def time(self, block_sizes: Sequence[int], tree_budgets: Sequence[int]) -> None:
+    def time(self, block_sizes: Sequence[int], tree_budgets: Sequence[int], tree_block: int = 0) -> None:
         """Times plain decoding, the chains of `block_sizes` and the trees of `tree_budgets` (over blocks of
-        the largest of `block_sizes`), through the cost cache; without `measure`, only what it holds."""
+        `tree_block`, else of the largest of `block_sizes`), through the cost cache; without `measure`, only
+        what it holds."""
         cached_only = {} if self.measure else {"cached_only": True}
+        target, drafter, *shape = self.args
         costs = step_costs(
-            *self.args,
+            target,
+            drafter.with_block_size(tree_block) if tree_block else drafter,
+            *shape,
             list(block_sizes),
             tree_budgets=tuple(tree_budgets),
             sampling=self.sampling,
