@@ -180,9 +180,10 @@ def generate(
             if on_result is not None:
                 on_result(start + i, result)
 
-        _decode(target, encoded[start:end], seeds[start:end], chosen, done, max_new_tokens=max_new_tokens,
-                sampling=sampling, batch_size=batch_size, refill_every=refill_every,
-                shared_prefix=shared_prefix)  # fmt: skip
+        _decode(
+            target, encoded[start:end], seeds[start:end], chosen, done, max_new_tokens=max_new_tokens,
+            sampling=sampling, batch_size=batch_size, refill_every=refill_every, shared_prefix=shared_prefix,
+        )  # fmt: skip
         hists = [results[i].stats["accept_hist"] for i in range(start, end)]
         width = max(map(len, hists), default=0)
         return np.sum([h + [0] * (width - len(h)) for h in hists], axis=0).tolist() if hists else []
@@ -198,14 +199,25 @@ def generate(
     return results
 
 
-def _decode(target, prompt_ids, seeds, drafter, on_result, **settings) -> None:
-    """Decodes `prompt_ids` in static batches or continuously; on_result(i, result) for each prompt."""
-    refill_every, batch_size = settings["refill_every"], settings["batch_size"]
+def _decode(
+    target: Target,
+    prompt_ids: Sequence[list[int]],
+    seeds: Sequence[int],
+    drafter: Drafter | DartDrafterBound | LookupDrafter | None,
+    on_result: Callable[[int, GenerationResult], None],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    batch_size: int,
+    refill_every: int | None,
+    shared_prefix: str,
+) -> None:
+    """Decodes `prompt_ids` in static batches (refill_every None) or continuously; on_result(i, result) as
+    each prompt finishes."""
     if refill_every is not None:
         generate_continuous(
-            target, prompt_ids, max_new_tokens=settings["max_new_tokens"], sampling=settings["sampling"],
-            row_seeds=seeds, batch_size=batch_size, refill_every=refill_every, drafter=drafter,
-            on_result=on_result,
+            target, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, row_seeds=seeds,
+            batch_size=batch_size, refill_every=refill_every, drafter=drafter, on_result=on_result,
         )  # fmt: skip
         return
     for start in range(0, len(prompt_ids), batch_size):
@@ -213,12 +225,12 @@ def _decode(target, prompt_ids, seeds, drafter, on_result, **settings) -> None:
         batch = generate_ids(
             target,
             [prompt_ids[i] for i in chunk],
-            max_new_tokens=settings["max_new_tokens"],
-            sampling=settings["sampling"],
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
             row_seeds=[seeds[i] for i in chunk],
             batch_size=batch_size,
             drafter=drafter,
-            shared_prefix=settings["shared_prefix"],
+            shared_prefix=shared_prefix,
         )
         for i, result in zip(chunk, batch):
             on_result(i, result)

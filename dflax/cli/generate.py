@@ -222,7 +222,7 @@ def generate(
         sink = out.open("a", encoding="utf-8")
         if needs_newline:  # a torn line from an interrupted run stays alone on its line
             sink.write("\n")
-    totals = RunTotals(speculative=spec_drafter is not None)
+    totals = RunTotals(speculative=spec_drafter is not None and not auto)  # auto: once it speculates
     progress = Progress(
         TextColumn("generating"),
         BarColumn(),
@@ -257,7 +257,7 @@ def generate(
                         console.print(timing)
                     return
                 console.print(choice.describe())
-                totals.speculative = choice.block_size is not None
+                totals.speculative |= choice.block_size is not None
 
             run_generate(
                 loaded,

@@ -34,9 +34,12 @@ def uses_auto(drafter: Any, block_size: int | str | None, tree_budget: int | Non
     budget of N > 0 (0 asks for chains).
 
     Raises:
-      ValueError: "auto" with a tree budget of N > 0, or without a DFlash or DART drafter.
+      ValueError: a string other than "auto"; "auto" with a tree budget of N > 0, or without a DFlash or
+        DART drafter.
     """
     choosable = drafter is not None and hasattr(drafter, "accept") and hasattr(drafter, "trained_block_size")
+    if isinstance(block_size, str) and block_size != AUTO:
+        raise ValueError(f"block size {block_size!r}: give 'auto' or an integer >= 2 (anchor + drafts)")
     if block_size == AUTO:
         if not choosable:
             raise ValueError(

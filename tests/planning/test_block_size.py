@@ -368,6 +368,8 @@ def test_the_api_chooses_as_the_cli_does(tmp_path, tiny, priced_steps):
         dflax.generate(target, texts, drafter=dflax.prompt_lookup(4), block_size="auto")
     with pytest.raises(ValueError, match="need a drafter"):
         dflax.generate(target, texts, block_size=4)
+    with pytest.raises(ValueError, match="give 'auto' or an integer"):
+        dflax.generate(target, texts, drafter=claimed, block_size="8")
 
 
 def test_a_short_run_is_not_timed(tiny, monkeypatch):
