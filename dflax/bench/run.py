@@ -22,13 +22,13 @@ from dflax.drafters.checkpoint import load_drafter_checkpoint
 from dflax.drafters.dflash import DRAFT_SAMPLING_MODES
 from dflax.generation import encode_prompt, fit_to_context
 from dflax.planning import projection
+from dflax.planning.auto import AUTO  # a block size chosen by the cost model
 from dflax.planning.cost_curve import COST_CURVE_SIZES, measure_cost_curve
 from dflax.planning.roofline import machine_facts, measure_roofline, step_floor_s
 from dflax.prompts import load_prompts, with_system_prompt
 from dflax.target import load_target
 
 BENCH_METHODS = ("ar", "dflash", "dart", "lookup", "diffuspec", "hf", "official")
-AUTO = "auto"  # a block size chosen by the cost model (dflax.planning.block_size)
 
 
 def run_bench(

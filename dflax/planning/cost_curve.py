@@ -390,15 +390,13 @@ def auto_block_size(
     if timed.plain_s is None:  # not timed and not cached
         return _prior_choice(drafter, candidates, rows, static_tokens)
 
-    def choice_now(estimate_trees: bool = False) -> BlockSizeChoice:
+    def choice_now() -> BlockSizeChoice:
         chains = _interpolated(timed.chain_s, candidates, timed.plain_s)
         if timed.tree_s:
             tree_s = _interpolated_trees(timed, budgets, candidates)
-        elif estimate_trees:  # a tree of N nodes priced as the chain verifying N + 1 tokens
+        else:  # an untimed tree of N nodes priced as the chain verifying N + 1 tokens
             tokens = _interpolated(timed.chain_s, [n + 1 for n in budgets], timed.plain_s)
             tree_s = {n: tokens[n + 1] for n in budgets}
-        else:
-            tree_s = {}
         return choose_block_size(
             drafter.accept,
             timed.plain_s,
@@ -413,13 +411,13 @@ def auto_block_size(
     # Larger chains are timed when their extrapolated step makes one of them the best; a tree when the
     # chain verifying as many tokens, as its price, makes a tree the best.
     later = [b for b in LATER_TIMED_BLOCK_SIZES if b in candidates and b > max(timed.chain_s)]
-    best = choice_now(estimate_trees=bool(budgets))
+    best = choice_now()
     if later and not best.tree_budget and (best.block_size or 0) > max(timed.chain_s):
         timed.time(later, ())
-        best = choice_now(estimate_trees=bool(budgets))
+        best = choice_now()
     if budgets and best.tree_budget:
         timed.time([], [n for n in TIMED_TREE_BUDGETS if n in budgets], tree_block=max(candidates))
-    choice = choice_now(estimate_trees=bool(budgets))  # an untimed tree was never predicted best
+    choice = choice_now()  # an untimed tree was never predicted best
     if choice.block_size is None:
         return None, choice
     return drafter.with_block_size(choice.block_size).with_tree_budget(choice.tree_budget), choice
